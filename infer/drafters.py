@@ -1,0 +1,163 @@
+"""Drafters: what proposes the token tree that the verifier checks.
+
+The interface, in the spirit of HF's ``CandidateGenerator``, has three methods:
+
+* :meth:`Drafter.begin` - a new generation starts: the prompt and the verifier's features for it;
+* :meth:`Drafter.propose` - draft a tree rooted at the newest token;
+* :meth:`Drafter.update` - these tokens (root + accepted drafts) are now committed, with the
+  verifier's features at each of them.
+
+Drafters that need the verifier's hidden states list the layers in ``feature_layers``
+(indices into HF's ``hidden_states`` tuple).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .tree import DynamicTreeSpec, Tree, TreeSpec, build_tree
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed tree.
+
+    Attributes:
+        tokens: ``[N]`` long; node 0 is the root token (already emitted, not yet verified).
+        tree: topology of the ``N`` nodes.
+        q: ``[N, V]`` or None: the distribution each node's token was drawn from given its earlier
+            siblings (see :func:`infer.accept.sample_accept`); None for deterministic drafts.
+    """
+
+    tokens: torch.Tensor
+    tree: Tree
+    q: torch.Tensor | None = None
+
+
+_SINGLE = build_tree([-1])
+
+
+def root_only(root: int) -> Draft:
+    """The trivial draft: just the root (one plain decoding step)."""
+    return Draft(torch.tensor([root], dtype=torch.long), _SINGLE)
+
+
+class Drafter(ABC):
+    """Base class of all drafters (see the module docstring for the protocol)."""
+
+    feature_layers: tuple[int, ...] = ()
+    tree: TreeSpec | None = None
+
+    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """A generation starts. ``prompt_ids``: ``[L]``; ``features``: ``[L, F, H]`` or None."""
+
+    @abstractmethod
+    def propose(
+        self, root: int, *, tree: TreeSpec | None, max_depth: int, generator: torch.Generator | None
+    ) -> Draft:
+        """Draft a tree of depth at most ``max_depth`` rooted at token ``root``.
+
+        ``tree`` overrides the drafter's default shape; ``generator`` is given when sampling
+        (drafters that draw children from their distribution use it and report ``q``).
+        """
+
+    def update(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        """``tokens`` ``[k]`` (root, then accepted drafts) entered the verifier's cache;
+        ``features`` ``[k, F, H]`` are the verifier's hidden states there."""
+
+
+class NoDrafter(Drafter):
+    """Plain decoding through the speculative engine: every tree is just the root."""
+
+    def propose(self, root, *, tree=None, max_depth=0, generator=None) -> Draft:
+        return root_only(root)
+
+
+def _budget(spec: TreeSpec) -> tuple[int, int, int]:
+    """(depth, num_nodes, branches) of a tree spec, for drafters that build their own trees."""
+    if isinstance(spec, DynamicTreeSpec):
+        return spec.depth, spec.num_nodes, spec.top_k
+    firsts = [c[0] for c in spec.choices if len(c) == 1]
+    return spec.depth, spec.num_nodes, max(firsts, default=0) + 1
+
+
+class PromptLookupDrafter(Drafter):
+    """Prompt-lookup (n-gram) drafting: find earlier occurrences of the context's last ``n``
+    tokens (``n`` from ``max_ngram`` down to ``min_ngram``, most recent first) and propose what
+    followed them. Up to ``branches`` distinct continuations are merged into a trie of at most
+    ``num_nodes`` nodes and ``depth`` levels (taken from the tree spec: for a dynamic spec,
+    ``top_k`` is the number of branches).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, tree: TreeSpec | None = None):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tree = tree or DynamicTreeSpec(depth=8, top_k=3, num_nodes=16)
+        self._ctx = np.zeros(0, dtype=np.int64)
+        self._len = 0
+
+    def begin(self, prompt_ids, features=None) -> None:
+        self._ctx = np.zeros(max(1024, 2 * len(prompt_ids)), dtype=np.int64)
+        self._len = 0
+        self._append(prompt_ids.tolist())
+
+    def update(self, tokens, features=None) -> None:
+        self._append(tokens.tolist())
+
+    def _append(self, toks: list[int]) -> None:
+        end = self._len + len(toks)
+        if end > len(self._ctx):
+            self._ctx = np.concatenate([self._ctx, np.zeros(max(end, len(self._ctx)), dtype=np.int64)])
+        self._ctx[self._len : end] = toks
+        self._len = end
+
+    def continuations(self, root: int, depth: int, branches: int) -> list[list[int]]:
+        """Distinct continuations of ``context + [root]``, best first."""
+        self._append([root])
+        ctx, n_ctx = self._ctx, self._len
+        self._len -= 1  # the root is committed later, through update()
+        found: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
+            suffix = ctx[n_ctx - n : n_ctx]
+            hits = ctx[: n_ctx - n] == suffix[0]
+            for t in range(1, n):
+                hits &= ctx[t : n_ctx - n + t] == suffix[t]
+            for j in np.flatnonzero(hits)[::-1]:
+                cont = ctx[j + n : min(j + n + depth, n_ctx)].tolist()
+                key = tuple(cont)
+                if cont and key not in seen:
+                    seen.add(key)
+                    found.append(cont)
+                    if len(found) == branches:
+                        return found
+        return found
+
+    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
+        depth, budget, branches = _budget(tree or self.tree)
+        depth = min(depth, max_depth)
+        if depth <= 0:
+            return root_only(root)
+        tokens, parents = [root], [-1]
+        trie: dict[tuple[int, int], int] = {}
+        for cont in self.continuations(root, depth, branches):
+            node = 0
+            for tok in cont:
+                child = trie.get((node, tok))
+                if child is None:
+                    if len(tokens) >= budget:
+                        break
+                    child = len(tokens)
+                    trie[(node, tok)] = child
+                    tokens.append(tok)
+                    parents.append(node)
+                node = child
+        if len(tokens) == 1:
+            return root_only(root)
+        return Draft(torch.tensor(tokens, dtype=torch.long), build_tree(parents))
+

@@ -1,0 +1,246 @@
+"""The speculative decoding loop: ``generate`` and ``stream``.
+
+Each step: the drafter proposes a tree rooted at the newest token, the verifier scores all of
+its nodes in one masked forward pass, an acceptance rule keeps the longest valid path plus the
+verifier's own bonus token, and the KV cache is compacted to that path. Greedy output is token
+for token the verifier's plain greedy output; sampled output follows the verifier's own sampling
+distribution exactly (``acceptance="typical"`` is the documented lossy exception).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .accept import greedy_accept, sample_accept, typical_accept, warp_probs
+from .drafters import Drafter, NoDrafter
+from .errors import UserError
+from .tree import TreeSpec
+from .verifier import Verifier
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one generation.
+
+    ``mean_accepted`` is tau: new tokens per verifier pass after the prefill (the bonus token
+    counts). ``accepted_hist[k]`` counts the verify steps that emitted ``k`` tokens.
+    """
+
+    new_tokens: int = 0
+    verify_steps: int = 0
+    mean_accepted: float = 0.0
+    accepted_hist: list[int] = field(default_factory=list)
+    tree_nodes: int = 0  # summed over verify steps
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    tokens_per_s: float = 0.0
+    finish_reason: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def _finish(self) -> None:
+        self.mean_accepted = self.new_tokens / max(1, self.verify_steps)
+        total = self.prefill_s + self.decode_s
+        self.tokens_per_s = self.new_tokens / total if total > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    """New token ids (prompt excluded) and the generation's stats."""
+
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+@dataclass
+class Chunk:
+    """Tokens accepted in one step, and the running stats (the same object every step)."""
+
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+def _check_params(max_new_tokens, temperature, top_p, top_k, acceptance) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and 0 <= temperature <= 100):
+        raise UserError(f"temperature must be between 0 (greedy) and 100, not {temperature!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise UserError(f"top_p must be in (0, 1], not {top_p!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise UserError(f"top_k must be a non-negative integer (0 = off), not {top_k!r}")
+    if acceptance not in ("exact", "typical"):
+        raise UserError(f"acceptance must be 'exact' or 'typical', not {acceptance!r}")
+
+
+class _Stopper:
+    """Decides, token by token, where plain decoding would have stopped."""
+
+    def __init__(self, max_new_tokens, eos_token_id, stop, tokenizer):
+        if eos_token_id is None:
+            eos = set()
+        elif isinstance(eos_token_id, int):
+            eos = {eos_token_id}
+        else:
+            eos = {int(e) for e in eos_token_id}
+        self.eos = eos
+        self.stop = [s for s in (stop or []) if s]
+        if self.stop and tokenizer is None:
+            raise UserError("stop strings need the tokenizer: pass tokenizer=")
+        self.tokenizer = tokenizer
+        self.window = max((len(s) for s in self.stop), default=0) + 2
+        self.max_new = max_new_tokens
+        self.tokens: list[int] = []
+        self.reason = ""
+
+    def feed(self, chunk: Sequence[int]) -> list[int]:
+        """Append ``chunk``; return the part plain decoding would also have produced."""
+        out = []
+        for t in chunk:
+            out.append(t)
+            self.tokens.append(t)
+            if t in self.eos:
+                self.reason = "eos"
+            elif self.stop and any(
+                s in self.tokenizer.decode(self.tokens[-self.window :]) for s in self.stop
+            ):
+                self.reason = "stop"
+            elif len(self.tokens) >= self.max_new:
+                self.reason = "length"
+            if self.reason:
+                break
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stream(
+    verifier,
+    drafter: Drafter | None,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    tree: TreeSpec | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop: Sequence[str] | None = None,
+    tokenizer=None,
+    acceptance: str = "exact",
+) -> Iterator[Chunk]:
+    """Speculative generation, yielding each step's accepted tokens as a :class:`Chunk`.
+
+    Args:
+        verifier: a :class:`~infer.verifier.Verifier` or an HF causal LM (batch 1).
+        drafter: proposes the trees; ``None`` decodes plainly through the same loop.
+        input_ids: ``[L]`` or ``[1, L]`` prompt token ids.
+        max_new_tokens: exact upper bound on new tokens.
+        temperature: 0 = greedy; otherwise sample with ``top_p`` / ``top_k`` as HF does.
+        seed / generator: randomness for sampling and for drafters that sample.
+        tree: overrides the drafter's tree shape.
+        eos_token_id: token id(s) that end generation (included in the output, as in HF).
+        stop: strings that end generation once the decoded output contains one (needs
+            ``tokenizer``); the output ends with the token that completed the stop string.
+        acceptance: ``"exact"`` (lossless) or ``"typical"`` (Medusa typical acceptance, lossy).
+    """
+    _check_params(max_new_tokens, temperature, top_p, top_k, acceptance)
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).cpu()
+    if ids.numel() == 0:
+        raise UserError("the prompt is empty: give at least one token")
+    drafter = drafter or NoDrafter()
+    if not isinstance(verifier, Verifier):
+        verifier = Verifier(verifier)
+    verifier.feature_layers = tuple(drafter.feature_layers)
+    vocab = verifier.vocab_size
+    if int(ids.max()) >= vocab or int(ids.min()) < 0:
+        raise UserError(f"prompt token ids must be in [0, {vocab}) for this verifier")
+    verifier.check_fits(ids.numel() + max_new_tokens)
+    stopper = _Stopper(max_new_tokens, eos_token_id, stop, tokenizer)
+    greedy = temperature == 0 and acceptance == "exact"
+    if generator is None and not greedy:
+        generator = torch.Generator(device=verifier.device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+    return _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, generator, tree, acceptance)
+
+
+def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, generator, tree, acceptance):
+    stats = GenerationStats()
+    dev = verifier.device
+    t0 = time.perf_counter()
+    out = verifier.prefill(ids)
+    drafter.begin(ids, out.features)
+    if greedy:
+        root = int(out.logits[-1].argmax())
+    else:
+        probs = warp_probs(out.logits[-1], max(temperature, 1e-5), top_k, top_p)
+        root = int(torch.multinomial(probs, 1, generator=generator))
+    _sync(dev)
+    stats.prefill_s = time.perf_counter() - t0
+    t_dec = time.perf_counter()
+    emitted = stopper.feed([root])
+    stats.new_tokens = len(emitted)
+    while True:
+        if stopper.reason:
+            stats.finish_reason = stopper.reason
+            stats.decode_s = time.perf_counter() - t_dec
+            stats._finish()
+            yield Chunk(emitted, stats)
+            return
+        yield Chunk(emitted, stats)
+        t1 = time.perf_counter()
+        remaining = stopper.max_new - len(stopper.tokens)
+        draft = drafter.propose(root, tree=tree, max_depth=remaining - 1, generator=None if greedy else generator)
+        t2 = time.perf_counter()
+        vout = verifier.verify(draft.tokens, draft.tree)
+        if greedy:
+            acc = greedy_accept(draft.tokens, draft.tree, vout.logits.argmax(-1))
+        elif acceptance == "typical":
+            probs = warp_probs(vout.logits, max(temperature, 1e-5), top_k, top_p)
+            acc = typical_accept(draft.tokens, draft.tree, probs, generator=generator)
+        else:
+            probs = warp_probs(vout.logits, temperature, top_k, top_p)
+            q = draft.q.to(probs.device) if draft.q is not None else None
+            acc = sample_accept(draft.tokens, draft.tree, probs, q, generator)
+        _sync(dev)
+        t3 = time.perf_counter()
+        verifier.commit(acc.nodes)
+        feats = vout.features[acc.nodes.to(vout.features.device)] if vout.features is not None else None
+        drafter.update(draft.tokens[acc.nodes], feats)
+        chunk = draft.tokens[acc.nodes[1:]].tolist() + [acc.bonus]
+        emitted = stopper.feed(chunk)
+        stats.draft_s += t2 - t1
+        stats.verify_s += t3 - t2
+        stats.verify_steps += 1
+        stats.tree_nodes += draft.tree.num_nodes
+        stats.new_tokens += len(emitted)
+        if len(stats.accepted_hist) <= len(chunk):
+            stats.accepted_hist.extend([0] * (len(chunk) + 1 - len(stats.accepted_hist)))
+        stats.accepted_hist[len(chunk)] += 1
+        root = acc.bonus
+
+
+def generate(verifier, drafter: Drafter | None, input_ids, **kwargs) -> GenerationResult:
+    """Run :func:`stream` to the end; returns the new token ids and the stats.
+
+    Takes the same arguments as :func:`stream`.
+    """
+    tokens: list[int] = []
+    stats = GenerationStats()
+    for chunk in stream(verifier, drafter, input_ids, **kwargs):
+        tokens.extend(chunk.token_ids)
+        stats = chunk.stats
+    return GenerationResult(tokens, stats)

@@ -1,0 +1,54 @@
+"""Text in, text out: prompts through the tokenizer's chat template, outputs decoded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .engine import GenerationStats, generate
+from .errors import UserError
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool | None = None) -> torch.Tensor:
+    """Token ids ``[L]`` of ``prompt``: as a single user turn through the chat template when
+    ``chat`` (default: when the tokenizer has a template), else the raw text."""
+    if not prompt or not prompt.strip():
+        raise UserError("the prompt is empty: give some text")
+    if chat is None:
+        chat = getattr(tokenizer, "chat_template", None) is not None
+    if chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise UserError("this tokenizer has no chat template: use --no-chat")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long).reshape(-1)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """End-of-sequence ids: the model's generation config, else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+@dataclass
+class TextResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+def generate_text(model, drafter, tokenizer, prompt: str, *, chat: bool | None = None, **kwargs) -> TextResult:
+    """Generate from a text prompt; ``kwargs`` as for :func:`infer.generate` (EOS defaults to the
+    model's)."""
+    ids = encode_prompt(tokenizer, prompt, chat=chat)
+    kwargs.setdefault("eos_token_id", eos_ids(getattr(model, "model", model), tokenizer))
+    res = generate(model, drafter, ids, tokenizer=tokenizer, **kwargs)
+    return TextResult(tokenizer.decode(res.token_ids, skip_special_tokens=True), res.token_ids, res.stats)

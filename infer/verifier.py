@@ -1,0 +1,162 @@
+"""The verifier adapter: an unmodified HF ``AutoModelForCausalLM`` driven through its public API.
+
+One generation at a time (batch 1). :meth:`Verifier.prefill` runs the prompt;
+:meth:`Verifier.verify` runs a whole draft tree in one forward pass, with a 4D attention mask in
+which every node sees the committed prefix and its own ancestors, and ``position_ids`` = prefix
+length + depth; :meth:`Verifier.commit` keeps exactly the accepted path in the KV cache, moving its
+entries in place along the sequence dimension and cropping the rest (no copy of the cache, no
+re-prefill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from .errors import UserError
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class VerifierOutput:
+    """What one verifier pass returns.
+
+    Attributes:
+        logits: ``[T, V]``: next-token logits after each input position (prefill: last only).
+        features: ``[T, F, H]`` hidden states at the ``F`` requested layers for every input
+            position, or None when no layer was requested.
+    """
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+def sliding_window(config) -> int | None:
+    """The attention window that binds some layer of this model, or None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def context_length(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None)
+
+
+class Verifier:
+    """Wraps a causal LM for tree verification.
+
+    Args:
+        model: any HF causal LM (Llama, Qwen2/3, Mistral, Gemma families); put in ``eval()``.
+        feature_layers: indices into HF's ``hidden_states`` tuple that drafters need
+            (0 = embeddings, ``i`` = output of decoder layer ``i``, -1 = final normed output).
+    """
+
+    def __init__(self, model, feature_layers: Sequence[int] = ()):
+        self.model = model.eval()
+        self.config = model.config
+        self.feature_layers = tuple(feature_layers)
+        self.cache: DynamicCache | None = None
+        self.length = 0  # tokens in the KV cache
+        self._mask_min = torch.finfo(self.dtype).min
+        # transformers 5.24 renamed `past_key_values` to `cache`; use whichever forward() takes
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def check_fits(self, total_length: int) -> None:
+        """Refuse, before any work, a generation whose positions exceed what the model handles."""
+        ctx = context_length(self.config)
+        if ctx is not None and total_length > ctx:
+            raise UserError(
+                f"prompt plus max_new_tokens is {total_length} tokens but the verifier's context is "
+                f"{ctx}: shorten the prompt or lower max_new_tokens"
+            )
+        window = sliding_window(self.config)
+        if window is not None and total_length > window:
+            raise UserError(
+                f"prompt plus max_new_tokens is {total_length} tokens, beyond the verifier's sliding "
+                f"window of {window}; tree verification with sliding-window attention is only exact "
+                f"inside the window: shorten the prompt or lower max_new_tokens"
+            )
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> VerifierOutput:
+        """Run the prompt ``[L]`` from an empty cache; logits ``[1, V]`` for the last position."""
+        self.cache = DynamicCache()
+        ids = input_ids.to(self.device).view(1, -1)
+        out = self.model(
+            input_ids=ids,
+            use_cache=True,
+            output_hidden_states=bool(self.feature_layers),
+            logits_to_keep=1,
+            **{self._cache_kw: self.cache},
+        )
+        self.length = ids.shape[1]
+        return VerifierOutput(out.logits[0], self._features(out))
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, tree: Tree) -> VerifierOutput:
+        """Score every node of a draft tree in one forward pass.
+
+        Args:
+            tokens: ``[N]`` node tokens (node 0 = the root, the newest token not yet in the cache).
+            tree: the topology; its ancestor mask becomes the tree part of the attention mask.
+
+        Returns logits ``[N, V]`` (the verifier's next-token logits after each node) and features.
+        The tree's keys and values are appended to the cache until :meth:`commit`.
+        """
+        n, past = tree.num_nodes, self.length
+        mask = torch.full((1, 1, n, past + n), self._mask_min, dtype=self.dtype, device=self.device)
+        mask[..., :past] = 0.0
+        mask[0, 0, :, past:].masked_fill_(tree.ancestor_mask.to(self.device), 0.0)
+        out = self.model(
+            input_ids=tokens.to(self.device).view(1, n),
+            attention_mask=mask,
+            position_ids=(tree.depths.to(self.device) + past).view(1, n),
+            use_cache=True,
+            output_hidden_states=bool(self.feature_layers),
+            **{self._cache_kw: self.cache},
+        )
+        return VerifierOutput(out.logits[0], self._features(out))
+
+    @torch.inference_mode()
+    def commit(self, nodes: torch.Tensor) -> None:
+        """Keep only the accepted ``nodes`` (``[k]`` tree indices, root first) of the last verified
+        tree in the cache: their keys/values move in place to follow the prefix, the rest is cut."""
+        k = int(nodes.shape[0])
+        src = nodes.to(self.device) + self.length
+        start = self.length
+        self.length += k
+        in_place = bool((nodes == torch.arange(k)).all())  # a prefix of the tree: nothing moves
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", True) or layer.keys is None:
+                continue
+            if not in_place:
+                layer.keys[:, :, start : start + k] = layer.keys.index_select(2, src)
+                layer.values[:, :, start : start + k] = layer.values.index_select(2, src)
+            layer.keys = layer.keys[:, :, : self.length]
+            layer.values = layer.values[:, :, : self.length]
+
+    def _features(self, out) -> torch.Tensor | None:
+        if not self.feature_layers:
+            return None
+        hs = out.hidden_states
+        return torch.stack([hs[i][0] for i in self.feature_layers], dim=1)

@@ -1,0 +1,128 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infer.errors import UserError
+from infer.tree import (
+    DynamicTreeSpec,
+    StaticTreeSpec,
+    build_tree,
+    chain_spec,
+    grow_dynamic_tree,
+    list_tree_presets,
+    load_tree_spec,
+)
+
+
+@st.composite
+def parent_vectors(draw, max_nodes=24):
+    n = draw(st.integers(1, max_nodes))
+    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+
+
+@given(parent_vectors())
+def test_build_tree_invariants(parents):
+    t = build_tree(parents)
+    n = len(parents)
+    assert t.num_nodes == n
+    for i in range(n):
+        anc, j = {i}, i
+        while parents[j] >= 0:
+            j = parents[j]
+            anc.add(j)
+        assert set(t.ancestor_mask[i].nonzero().flatten().tolist()) == anc
+        assert int(t.depths[i]) == len(anc) - 1
+    leaves = [i for i in range(n) if i not in parents]
+    assert sorted(int(r[r >= 0][-1]) for r in t.paths) == leaves
+    for row in t.paths:
+        nodes = row[row >= 0].tolist()
+        assert nodes[0] == 0 and all(parents[b] == a for a, b in zip(nodes, nodes[1:]))
+
+
+@pytest.mark.parametrize("bad", [[], [0], [-1, 1], [-1, 0, 2], [-1, -1]])
+def test_build_tree_rejects_bad_parents(bad):
+    with pytest.raises(ValueError):
+        build_tree(bad)
+
+
+def test_static_spec_order_and_validation():
+    spec = StaticTreeSpec(((1,), (0,), (0, 0), (1, 0), (0, 1)))
+    nodes, parents = spec.ordered()
+    assert nodes == [(), (0,), (1,), (0, 0), (0, 1), (1, 0)]
+    assert parents == [-1, 0, 0, 1, 1, 2]
+    assert spec.depth == 2 and spec.num_nodes == 6
+    with pytest.raises(ValueError, match="no parent"):
+        StaticTreeSpec(((0, 0),))
+    assert chain_spec(3).ordered()[1] == [-1, 0, 1, 2]
+
+
+def test_presets_load_and_inline_forms(tmp_path):
+    names = list_tree_presets()
+    assert {"chain-4", "pld-16", "medusa-16", "eagle2-32"} <= set(names)
+    for name in names:
+        load_tree_spec(name)
+    assert load_tree_spec("chain:5").depth == 5
+    assert load_tree_spec("dynamic:4,3,10") == DynamicTreeSpec(4, 3, 10)
+    f = tmp_path / "t.json"
+    f.write_text('{"type": "static", "choices": [[0], [1]], "extra": 1}')
+    with pytest.raises(UserError, match="extra"):
+        load_tree_spec(str(f))
+    with pytest.raises(UserError, match="unknown tree"):
+        load_tree_spec("no-such-tree")
+
+
+def _fake_expand(vocab=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(vocab, vocab, generator=g).mul(3).log_softmax(-1)  # bigram draft
+
+    def expand(ids, toks):
+        return table[toks]
+
+    return expand, table
+
+
+def test_dynamic_tree_is_eagle2_selection():
+    expand, table = _fake_expand()
+    spec = DynamicTreeSpec(depth=3, top_k=3, num_nodes=8)
+    t = grow_dynamic_tree(expand, 5, spec)
+    tree = build_tree(t.parents)
+    assert t.tokens.numel() == 8 and t.q is None
+    # scores are cumulative log-probs along the path
+    for i in range(1, 8):
+        p = int(t.parents[i])
+        assert torch.isclose(t.scores[i], t.scores[p] + table[t.tokens[p], t.tokens[i]])
+    # depth 1 holds the draft's top children of the root, best first
+    first = [i for i in range(8) if int(tree.depths[i]) == 1]
+    assert t.tokens[first].tolist() == table[5].topk(len(first)).indices.tolist()
+    # the kept nodes are the best-scoring candidates: no dropped depth-1 child beats a kept node
+    dropped = table[5].topk(3).values[len(first):]
+    assert all(float(d) <= float(t.scores[1:].min()) + 1e-6 for d in dropped)
+    assert grow_dynamic_tree(expand, 5, spec, max_depth=1).parents.tolist() == [-1, 0, 0, 0]
+
+
+def test_dynamic_tree_sampling_records_q():
+    expand, table = _fake_expand()
+    spec = DynamicTreeSpec(depth=3, top_k=4, num_nodes=10)
+    t = grow_dynamic_tree(expand, 2, spec, generator=torch.Generator().manual_seed(0))
+    tree = build_tree(t.parents)
+    assert t.q.shape == (10, 20)
+    for kids in tree.children():
+        earlier = []
+        for c in kids:
+            q = t.q[c]
+            assert torch.isclose(q.sum(), torch.tensor(1.0))
+            assert q[earlier].sum() == 0 and q[t.tokens[c]] > 0  # drawn without replacement
+            expected = table[t.tokens[t.parents[c]]].exp().clone()
+            expected[earlier] = 0
+            assert torch.allclose(q, expected / expected.sum(), atol=1e-6)
+            earlier.append(int(t.tokens[c]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 20), st.integers(0, 100))
+def test_dynamic_tree_always_a_valid_tree(depth, k, n, seed):
+    expand, _ = _fake_expand(seed=seed)
+    t = grow_dynamic_tree(expand, 0, DynamicTreeSpec(depth, k, n))
+    tree = build_tree(t.parents)  # raises if not topological
+    assert tree.num_nodes <= n and tree.depth <= depth

@@ -1,0 +1,83 @@
+"""The verifier adapter: tree-masked logits equal sequential logits; compaction is exact."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from conftest import VOCAB, ReferenceDrafter, hf_greedy
+from infer import generate
+from infer.errors import UserError
+from infer.models import tiny_random_model
+from infer.tree import build_tree
+from infer.verifier import Verifier
+
+
+@st.composite
+def trees(draw):
+    n = draw(st.integers(1, 12))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+    prefix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10))
+    return parents, tokens, prefix
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(trees())
+def test_tree_logits_equal_sequential_logits(tiny_model, case):
+    parents, tokens, prefix = case
+    layers = (1, -1)
+    v = Verifier(tiny_model, feature_layers=layers)
+    v.prefill(torch.tensor(prefix))
+    tree = build_tree(parents)
+    out = v.verify(torch.tensor(tokens), tree)
+    for i in range(tree.num_nodes):
+        path = tree.ancestor_mask[i].nonzero().flatten().tolist()
+        seq = torch.tensor(prefix + [tokens[j] for j in path])[None]
+        with torch.no_grad():
+            ref = tiny_model(seq, output_hidden_states=True)
+        torch.testing.assert_close(out.logits[i], ref.logits[0, -1], atol=1e-4, rtol=1e-4)
+        for f, layer in enumerate(layers):
+            torch.testing.assert_close(out.features[i, f], ref.hidden_states[layer][0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_cache_after_many_steps_equals_plain_forward(tiny_model):
+    prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(3))
+    ref = hf_greedy(tiny_model, prompt, 48)
+    parents = [-1, 0, 1, 2, 0, 4, 1, 6, 0]
+    v = Verifier(tiny_model)
+    res = generate(v, ReferenceDrafter(ref, 9, parents, p_right=0.6, seed=1), prompt, max_new_tokens=48)
+    assert res.token_ids == ref
+    assert res.stats.verify_steps > 8 and max(i for i, c in enumerate(res.stats.accepted_hist) if c) > 1
+    committed = torch.cat([prompt, torch.tensor(ref[:-1])])  # the last token never entered the cache
+    assert v.length == committed.numel()
+    plain = DynamicCache()
+    with torch.no_grad():
+        tiny_model(committed[None], past_key_values=plain, use_cache=True)
+    assert len(v.cache.layers) == len(plain.layers)
+    for ours, theirs in zip(v.cache.layers, plain.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+def test_commit_moves_entries_in_place(llama):
+    v = Verifier(llama)
+    v.prefill(torch.arange(5))
+    v.verify(torch.tensor([1, 2, 3, 4]), build_tree([-1, 0, 0, 2]))
+    before = v.cache.layers[0].keys
+    v.commit(torch.tensor([0, 2, 3]))
+    assert v.length == 8
+    assert v.cache.layers[0].keys.shape[2] == 8
+    assert v.cache.layers[0].keys.data_ptr() == before.data_ptr()  # a view of the same storage
+
+
+def test_sliding_window_and_context_are_refused_before_work():
+    g2 = tiny_random_model("gemma2", vocab_size=VOCAB)
+    v = Verifier(g2)
+    v.check_fits(512)
+    with pytest.raises(UserError, match="sliding window of 512"):
+        v.check_fits(513)
+    llama = tiny_random_model("llama", vocab_size=VOCAB)
+    with pytest.raises(UserError, match="context is 1024"):
+        generate(llama, None, torch.zeros(1000, dtype=torch.long), max_new_tokens=25)
