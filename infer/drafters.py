@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .cost import DEFAULT_COST, VerifyCost, best_chain_depth
 from .tree import DynamicTreeSpec, Tree, TreeSpec, build_tree
 
 
@@ -91,22 +92,50 @@ class PromptLookupDrafter(Drafter):
     followed them. Up to ``branches`` distinct continuations are merged into a trie of at most
     ``num_nodes`` nodes and ``depth`` levels (taken from the tree spec: for a dynamic spec,
     ``top_k`` is the number of branches).
+
+    With ``adaptive`` (the default), the depth is chosen each step from the acceptance rate seen
+    so far for matches of the same length ``n`` and the verifier's ``cost`` curve: the depth that
+    maximises expected tokens per unit of verify time (0: no draft, a plain step).
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, tree: TreeSpec | None = None):
+    def __init__(
+        self,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        tree: TreeSpec | None = None,
+        *,
+        adaptive: bool = True,
+        cost: VerifyCost = DEFAULT_COST,
+    ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.tree = tree or DynamicTreeSpec(depth=8, top_k=3, num_nodes=16)
+        self.tree = tree or DynamicTreeSpec(depth=10, top_k=1, num_nodes=11)
+        self.adaptive, self.cost = adaptive, cost
+        self.max_hits = 64  # matches examined per n-gram length (the most recent ones)
         self._ctx = np.zeros(0, dtype=np.int64)
         self._len = 0
+        self._last: tuple[int, int] | None = None  # (n-gram length, depth) of the last draft
+
+    def acceptance(self, n: int) -> float:
+        """Estimated per-token acceptance of drafts from ``n``-gram matches in this generation."""
+        succ, fail = self._stats.get(n, (1.0, 1.0))
+        return succ / (succ + fail)
 
     def begin(self, prompt_ids, features=None) -> None:
         self._ctx = np.zeros(max(1024, 2 * len(prompt_ids)), dtype=np.int64)
         self._len = 0
+        self._stats: dict[int, tuple[float, float]] = {}
+        self._last = None
         self._append(prompt_ids.tolist())
 
     def update(self, tokens, features=None) -> None:
+        if self._last is not None:
+            n, depth = self._last
+            accepted = len(tokens) - 1
+            succ, fail = self._stats.get(n, (1.0, 1.0))
+            self._stats[n] = (succ + accepted, fail + (accepted < depth))
+            self._last = None
         self._append(tokens.tolist())
 
     def _append(self, toks: list[int]) -> None:
@@ -116,26 +145,33 @@ class PromptLookupDrafter(Drafter):
         self._ctx[self._len : end] = toks
         self._len = end
 
-    def continuations(self, root: int, depth: int, branches: int) -> list[list[int]]:
-        """Distinct continuations of ``context + [root]``, best first."""
+    def continuations(self, root: int, depth: int, branches: int) -> list[tuple[int, list[int]]]:
+        """Distinct continuations of ``context + [root]``, best first, with their match length."""
         self._append([root])
         ctx, n_ctx = self._ctx, self._len
         self._len -= 1  # the root is committed later, through update()
-        found: list[list[int]] = []
+        found: list[tuple[int, list[int]]] = []
         seen: set[tuple[int, ...]] = set()
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
             suffix = ctx[n_ctx - n : n_ctx]
             hits = ctx[: n_ctx - n] == suffix[0]
             for t in range(1, n):
                 hits &= ctx[t : n_ctx - n + t] == suffix[t]
-            for j in np.flatnonzero(hits)[::-1]:
+            # most recent first; a recent match near the end has a truncated continuation, so
+            # full-length continuations go first, then the longest short ones
+            full, short = [], []
+            for j in np.flatnonzero(hits)[::-1][: self.max_hits]:
                 cont = ctx[j + n : min(j + n + depth, n_ctx)].tolist()
+                (full if len(cont) == depth else short).append(cont)
+            short.sort(key=len, reverse=True)
+            for cont in full + short:
                 key = tuple(cont)
-                if cont and key not in seen:
+                if key not in seen:
                     seen.add(key)
-                    found.append(cont)
+                    found.append((n, cont))
                     if len(found) == branches:
                         return found
+        return found
         return found
 
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
@@ -143,9 +179,20 @@ class PromptLookupDrafter(Drafter):
         depth = min(depth, max_depth)
         if depth <= 0:
             return root_only(root)
+        found = self.continuations(root, depth, branches)
+        if not found:
+            return root_only(root)
+        n = found[0][0]
+        if self.adaptive:
+            depth = best_chain_depth(self.acceptance(n), depth, self.cost)
+            if depth == 0:  # not worth drafting; drift back toward the prior so we try again later
+                succ, fail = self._stats[n]
+                self._stats[n] = (0.95 * succ + 0.05, 0.95 * fail + 0.05)
+                return root_only(root)
         tokens, parents = [root], [-1]
         trie: dict[tuple[int, int], int] = {}
-        for cont in self.continuations(root, depth, branches):
+        for _, cont in found:
+            cont = cont[:depth]
             node = 0
             for tok in cont:
                 child = trie.get((node, tok))
@@ -157,7 +204,7 @@ class PromptLookupDrafter(Drafter):
                     tokens.append(tok)
                     parents.append(node)
                 node = child
-        if len(tokens) == 1:
-            return root_only(root)
-        return Draft(torch.tensor(tokens, dtype=torch.long), build_tree(parents))
+        tree_ = build_tree(parents)
+        self._last = (n, tree_.depth)
+        return Draft(torch.tensor(tokens, dtype=torch.long), tree_)
 

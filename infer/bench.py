@@ -1,0 +1,277 @@
+"""Benchmarks: HF ``generate`` (vanilla, prompt lookup) against the speculative engine, and the
+verifier's verify-cost curve.
+
+All methods run in one process on the same prompts, one after another for each prompt (so that
+drift on a noisy machine hits them alike), after a warm-up. Results are per method and per
+category: tokens/s, tau, speedup over vanilla and, for speculative methods, how many outputs are
+identical to vanilla.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine import generate
+from .errors import UserError
+from .tree import build_tree
+from .verifier import Verifier
+
+METHODS = ("vanilla", "hf-pld", "spec")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    text: str
+    category: str
+
+
+#: Spec-Bench reports MT-bench's eight categories as one; ``group`` in :func:`read_prompts` does too.
+MT_BENCH_GROUP = {c: "mt_bench" for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
+
+
+def read_prompts(path: str | Path, limit: int | None = None, group: dict[str, str] | None = None) -> list[BenchPrompt]:
+    """Read a JSONL prompt file: each line has ``"prompt"`` (string) or ``"turns"`` (list; the
+    first turn is used), and optionally ``"category"``, renamed through ``group`` when listed
+    there. ``limit``: at most that many prompts per category (the first ones)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read prompt file {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    prompts: list[BenchPrompt] = []
+    per_cat: dict[str, int] = defaultdict(int)
+    for no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{no}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{no}: each line must be a JSON object")
+        text = row.get("prompt")
+        if text is None and isinstance(row.get("turns"), list) and row["turns"]:
+            text = row["turns"][0]
+        if not isinstance(text, str) or not text.strip():
+            raise UserError(f"{path}:{no}: needs a non-empty \"prompt\" string or a \"turns\" list")
+        cat = str(row.get("category", "all"))
+        cat = (group or {}).get(cat, cat)
+        if limit is not None and per_cat[cat] >= limit:
+            continue
+        per_cat[cat] += 1
+        prompts.append(BenchPrompt(text, cat))
+    if not prompts:
+        raise UserError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+class ForwardCounter:
+    """Counts forward calls of a model (to get tau for any method: new tokens per pass)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _run_hf(model, ids, max_new_tokens, eos, **kw) -> list[int]:
+    out = model.generate(
+        ids.view(1, -1).to(model.device),
+        attention_mask=torch.ones(1, ids.numel(), dtype=torch.long, device=model.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos or None,
+        pad_token_id=eos[0] if eos else 0,
+        **kw,
+    )
+    return out[0, ids.numel() :].tolist()
+
+
+def run_bench(
+    model,
+    tokenizer,
+    drafter,
+    prompts: list[BenchPrompt],
+    *,
+    methods=METHODS,
+    max_new_tokens: int = 128,
+    tree=None,
+    chat: bool = True,
+    pld_tokens: int = 10,
+    progress: bool = True,
+) -> dict:
+    """Run the benchmark and return the results dict (see the module docstring)."""
+    from tqdm.auto import tqdm
+
+    from .text import encode_prompt, eos_ids
+
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise UserError(f"unknown bench methods {sorted(unknown)}: choose from {', '.join(METHODS)}")
+    eos = eos_ids(model, tokenizer)
+    verifier = Verifier(model)
+    runners = {
+        "vanilla": lambda ids: (_run_hf(model, ids, max_new_tokens, eos), None),
+        "hf-pld": lambda ids: (_run_hf(model, ids, max_new_tokens, eos, prompt_lookup_num_tokens=pld_tokens), None),
+        "spec": lambda ids: _spec(verifier, drafter, ids, max_new_tokens, eos, tree),
+    }
+    encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
+    for m in methods:  # warm-up
+        runners[m](encoded[0][:32])
+    counter = ForwardCounter(model)
+    rows = []
+    try:
+        for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="bench", disable=not progress):
+            row = {"category": prompt.category, "prompt_tokens": ids.numel()}
+            for m in methods:
+                calls = counter.calls
+                t0 = time.perf_counter()
+                tokens, stats = runners[m](ids)
+                seconds = time.perf_counter() - t0
+                row[m] = {"tokens": tokens, "seconds": seconds, "passes": counter.calls - calls}
+                if stats is not None:
+                    row[m]["accepted_hist"] = stats.accepted_hist
+            rows.append(row)
+    finally:
+        counter.close()
+    return {"methods": summarize(rows, methods), "per_prompt": rows}
+
+
+def _spec(verifier, drafter, ids, max_new_tokens, eos, tree):
+    res = generate(verifier, drafter, ids, max_new_tokens=max_new_tokens, eos_token_id=eos, tree=tree)
+    return res.token_ids, res.stats
+
+
+def summarize(rows: list[dict], methods) -> dict:
+    """Per method: ``overall`` and ``categories``, each with tokens, seconds, tokens_per_s, tau,
+    speedup (tokens/s over vanilla's) and identical (outputs equal to vanilla's, of n)."""
+    cats = sorted({r["category"] for r in rows})
+    out: dict = {}
+    for m in methods:
+        out[m] = {"overall": _agg(rows, m), "categories": {c: _agg([r for r in rows if r["category"] == c], m) for c in cats}}
+        hist: list[int] = []
+        for r in rows:
+            for k, v in enumerate(r[m].get("accepted_hist", [])):
+                hist.extend([0] * (k + 1 - len(hist)))
+                hist[k] += v
+        if hist:
+            out[m]["accepted_hist"] = hist
+    if "vanilla" in methods:
+        base = out["vanilla"]
+        for m in methods:
+            pairs = [(out[m]["overall"], base["overall"])]
+            pairs += [(out[m]["categories"][c], base["categories"][c]) for c in cats]
+            for ours, theirs in pairs:
+                ours["speedup"] = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
+    return out
+
+
+def _agg(rows: list[dict], m: str) -> dict:
+    tokens = sum(len(r[m]["tokens"]) for r in rows)
+    seconds = sum(r[m]["seconds"] for r in rows)
+    passes = sum(r[m]["passes"] for r in rows)
+    res = {
+        "n": len(rows),
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        # passes after the prefill: each generation's first pass is its prompt
+        "tau": tokens / max(1, passes - len(rows)),
+    }
+    if m != "vanilla" and rows and "vanilla" in rows[0]:
+        res["identical"] = sum(r[m]["tokens"] == r["vanilla"]["tokens"] for r in rows)
+    return res
+
+
+def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int = 256, repeats: int = 7) -> dict:
+    """Median wall time of one verify pass over ``n`` tree nodes after a ``prefix_len`` prefix,
+    for each ``n`` in ``nodes``; returns ``{"seconds": {n: s}, "relative": {n: s / s(1)}}``."""
+    verifier = Verifier(model)
+    vocab = verifier.vocab_size
+    g = torch.Generator().manual_seed(0)
+    verifier.prefill(torch.randint(0, vocab, (prefix_len,), generator=g))
+    seconds = {}
+    for n in nodes:
+        tree = build_tree([-1] + [(i - 1) // 2 for i in range(1, n)])  # a binary tree
+        tokens = torch.randint(0, vocab, (n,), generator=g)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            verifier.verify(tokens, tree)
+            if verifier.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            verifier.rollback()
+        seconds[n] = statistics.median(times[1:])
+    base = seconds[nodes[0]]
+    return {"prefix_len": prefix_len, "seconds": seconds, "relative": {n: s / base for n, s in seconds.items()}}
+
+
+def environment() -> dict:
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def plot_results(results: dict, path: str | Path) -> None:
+    """A PNG: speedup and tau per category for every method, and the accepted-length histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = results["methods"]
+    names = list(methods)
+    cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    width = 0.8 / max(1, len(names))
+    for panel, key in zip(axes[:2], ("speedup", "tau")):
+        for i, m in enumerate(names):
+            vals = [methods[m]["categories"][c].get(key) if c != "overall" else methods[m]["overall"].get(key) for c in cats]
+            xs = [j + i * width for j in range(len(cats))]
+            panel.bar(xs, [v or 0 for v in vals], width, label=m)
+        panel.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(cats))], cats, rotation=30, ha="right")
+        panel.set_title("speedup over vanilla (tokens/s)" if key == "speedup" else "tau (tokens per verifier pass)")
+        panel.axhline(1.0, color="grey", lw=0.8)
+        panel.legend()
+    ax = axes[2]
+    for m in names:
+        hist = methods[m].get("accepted_hist")
+        if hist:
+            total = sum(hist)
+            ax.bar(range(len(hist)), [h / total for h in hist], alpha=0.7, label=m)
+    ax.set_title("tokens emitted per verify step")
+    ax.set_xlabel("accepted drafts + bonus")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_json(obj, path: str | Path) -> None:
+    """Write JSON atomically (temp file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)

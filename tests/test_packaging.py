@@ -1,0 +1,39 @@
+"""Layout rules: `import infer` needs only torch + transformers (and what they import, e.g. tqdm);
+heads/ and infer/ never import train/."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_import_infer_pulls_no_heavy_optional_dependency():
+    code = (
+        "import sys, infer, heads; "
+        "print(sorted(m for m in ('accelerate', 'peft', 'datasets', 'matplotlib', 'deepspeed', 'train') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_dependency_direction_heads_infer_train():
+    for pkg, forbidden in (("heads", ("infer", "train")), ("infer", ("train",))):
+        for path in (ROOT / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                for n in names:
+                    assert n.split(".")[0] not in forbidden, f"{path.relative_to(ROOT)} imports {n}"
+
+
+def test_tree_presets_ship_with_the_package():
+    import infer
+
+    presets = pathlib.Path(infer.__file__).parent / "presets" / "trees"
+    assert sorted(p.name for p in presets.glob("*.json")) == sorted(p.name for p in (ROOT / "configs" / "trees").glob("*.json"))

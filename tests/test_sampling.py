@@ -1,0 +1,146 @@
+"""Speculative sampling follows the verifier's own sampling distribution exactly.
+
+On a vocabulary-8 model the exact joint distribution of the first three tokens is enumerated;
+speculative samples drawn with drafters whose q is far from p must match it (chi-square), and a
+deliberately wrong acceptance (one-hot q for children that were sampled from q) must fail it.
+"""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from infer import generate
+from infer.accept import warp_probs
+from infer.drafters import Draft, Drafter
+from infer.models import tiny_random_model
+from infer.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
+
+V = 8
+PROMPT = torch.tensor([1, 5, 2, 7, 3])
+N_SAMPLES = 2500
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    return tiny_random_model("llama", vocab_size=V, hidden_size=32, seed=3, initializer_range=0.5)
+
+
+def exact_joint(model, temperature, top_k, top_p) -> torch.Tensor:
+    """P(t1, t2, t3) under plain sampling, ``[V, V, V]``."""
+    t1, t2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")
+    seqs = torch.cat([PROMPT.expand(V * V, -1), t1.reshape(-1, 1), t2.reshape(-1, 1)], dim=1)
+    with torch.no_grad():
+        logits = model(seqs).logits  # [V*V, L+2, V]
+    p = warp_probs(logits[:, -3:], temperature, top_k, top_p)
+    p1 = p[0, 0]  # [V]
+    p2 = p[:, 1].reshape(V, V, V)[:, 0]  # p(t2 | t1): rows indexed by t1
+    p3 = p[:, 2].reshape(V, V, V)  # p(t3 | t1, t2)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+class FixedQDrafter(Drafter):
+    """Draws a two-branch tree of depth 2 from a fixed q (very unlike p), and reports q honestly.
+
+    ``honest=False`` reports a uniform q instead of the one it drew from: the acceptance ratio
+    p/q is then wrong and the output biased, which the test must catch. (Reporting no q at all is
+    *not* wrong: a one-hot q is lossless for any candidate, only less often accepted.)"""
+
+    def __init__(self, q, mode="without_replacement", honest=True):
+        self.q, self.mode, self.honest = q, mode, honest
+        self.tree = build_tree([-1, 0, 0, 1, 2])
+
+    def propose(self, root, *, tree=None, max_depth=8, generator=None):
+        if self.mode == "dynamic":
+            logq = self.q.log()
+            t = grow_dynamic_tree(lambda ids, toks: logq.expand(len(ids), -1), root,
+                                  DynamicTreeSpec(depth=2, top_k=2, num_nodes=5), generator=generator)
+            return Draft(t.tokens, build_tree(t.parents), t.q)
+        a = int(torch.multinomial(self.q, 1, generator=generator))
+        if self.mode == "iid":
+            b, qb = int(torch.multinomial(self.q, 1, generator=generator)), self.q
+        else:
+            qb = self.q.clone()
+            qb[a] = 0
+            qb /= qb.sum()
+            b = int(torch.multinomial(qb, 1, generator=generator))
+        c = int(torch.multinomial(self.q, 1, generator=generator))
+        d = int(torch.multinomial(self.q, 1, generator=generator))
+        q = torch.stack([self.q, self.q, qb, self.q, self.q])
+        if not self.honest:
+            q = torch.full_like(q, 1 / V)
+        return Draft(torch.tensor([root, a, b, c, d]), self.tree, q)
+
+
+def spec_counts(model, drafter, temperature, top_k, top_p) -> torch.Tensor:
+    counts = torch.zeros(V, V, V)
+    for seed in range(N_SAMPLES):
+        res = generate(model, drafter, PROMPT, max_new_tokens=3, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=seed)
+        counts[tuple(res.token_ids)] += 1
+    return counts
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    expected = (probs * n).flatten().double()
+    observed = counts.flatten().double()
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum().view(1)])
+    o = torch.cat([observed[big], observed[~big].sum().view(1)])
+    assert o[-1] <= 0 or e[-1] > 0, "samples where the exact distribution has no mass"
+    keep = e > 0
+    stat = ((o[keep] - e[keep]) ** 2 / e[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
+
+
+Q_FAR = torch.tensor([0.02, 0.02, 0.3, 0.02, 0.3, 0.02, 0.3, 0.02])
+
+
+@pytest.mark.parametrize(
+    "mode, temperature, top_k, top_p",
+    [
+        ("without_replacement", 1.0, 0, 1.0),
+        ("iid", 0.8, 5, 0.9),
+        ("dynamic", 1.0, 0, 1.0),
+    ],
+)
+def test_speculative_sampling_matches_plain_sampling(small_vocab_model, mode, temperature, top_k, top_p):
+    probs = exact_joint(small_vocab_model, temperature, top_k, top_p)
+    counts = spec_counts(small_vocab_model, FixedQDrafter(Q_FAR, mode), temperature, top_k, top_p)
+    assert chi_square_pvalue(counts, probs) > 1e-3
+    assert counts[probs == 0].sum() == 0  # never a token that top-k/top-p excludes
+
+
+def test_plain_sampling_through_the_engine_matches(small_vocab_model):
+    probs = exact_joint(small_vocab_model, 1.0, 0, 1.0)
+    assert chi_square_pvalue(spec_counts(small_vocab_model, None, 1.0, 0, 1.0), probs) > 1e-3
+
+
+def test_the_chi_square_test_catches_a_wrong_q(small_vocab_model):
+    probs = exact_joint(small_vocab_model, 1.0, 0, 1.0)
+    counts = spec_counts(small_vocab_model, FixedQDrafter(Q_FAR, "iid", honest=False), 1.0, 0, 1.0)
+    assert chi_square_pvalue(counts, probs) < 1e-6
+
+
+def test_sampling_is_deterministic_under_a_seed(small_vocab_model):
+    a = generate(small_vocab_model, FixedQDrafter(Q_FAR), PROMPT, max_new_tokens=12, temperature=1.0, seed=7)
+    b = generate(small_vocab_model, FixedQDrafter(Q_FAR), PROMPT, max_new_tokens=12, temperature=1.0, seed=7)
+    assert a.token_ids == b.token_ids
+
+
+def test_warp_matches_hf_logits_processors():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for t, k, p in [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.5, 7, 0.6)]:
+        procs = LogitsProcessorList([TemperatureLogitsWarper(t)])
+        if k:
+            procs.append(TopKLogitsWarper(k))
+        if p < 1:
+            procs.append(TopPLogitsWarper(p))
+        ref = procs(None, logits.clone()).softmax(-1)
+        torch.testing.assert_close(warp_probs(logits, t, k, p), ref)
