@@ -12,8 +12,6 @@ import sys
 
 from .errors import UserError
 
-DRAFTS = ("pld", "none")
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2
@@ -22,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', a model directory or a Hub id")
-    p.add_argument("--draft", default="pld", help="'pld' (prompt lookup) or 'none' (plain decoding through the engine)")
+    p.add_argument("--draft", default="pld", help="'pld' (prompt lookup), 'none' (plain decoding through the engine), or a draft-head checkpoint directory / Hub id")
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -66,14 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_drafter(name: str, tree):
+def make_drafter(name: str, tree, model):
+    """``pld``, ``none``, or a draft-head checkpoint (directory or Hub id) for ``model``."""
+    from pathlib import Path
+
     from .drafters import NoDrafter, PromptLookupDrafter
 
     if name == "pld":
         return PromptLookupDrafter(tree=tree)
     if name == "none":
         return NoDrafter()
-    raise UserError(f"unknown draft {name!r}: use one of {', '.join(DRAFTS)}")
+    if Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists()):
+        from .head_drafters import load_head_drafter
+
+        return load_head_drafter(name, model, tree)
+    raise UserError(f"unknown draft {name!r}: use pld, none, or a draft-head checkpoint directory or Hub id")
 
 
 def _tree(args):
@@ -93,8 +98,8 @@ def cmd_generate(args) -> int:
     from .text import encode_prompt, eos_ids
 
     tree = _tree(args)
-    drafter = make_drafter(args.draft, tree)
     lv = _load(args)
+    drafter = make_drafter(args.draft, tree, lv.model)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     chunks = stream(
         lv.model, drafter, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -105,7 +110,7 @@ def cmd_generate(args) -> int:
         from .bench import _run_hf
 
         _run_hf(lv.model, ids, 4, eos_ids(lv.model, lv.tokenizer))
-        for _ in stream(lv.model, make_drafter(args.draft, tree), ids, max_new_tokens=4):
+        for _ in stream(lv.model, drafter, ids, max_new_tokens=4):
             pass
     tokens: list[int] = []
     printed = ""
@@ -174,8 +179,8 @@ def cmd_bench(args) -> int:
         raise UserError("--max-new-tokens must be >= 1")
     prompts = read_prompts(args.prompts, args.limit, MT_BENCH_GROUP if args.group_mt_bench else None)
     tree = _tree(args)
-    drafter = make_drafter(args.draft, tree)
     lv = _load(args)
+    drafter = make_drafter(args.draft, tree, lv.model)
     results = run_bench(lv.model, lv.tokenizer, drafter, prompts, methods=methods,
                         max_new_tokens=args.max_new_tokens, tree=tree, chat=args.chat is not False)
     results["config"] = {

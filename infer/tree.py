@@ -239,7 +239,7 @@ class DynamicTree:
     q: torch.Tensor | None
 
 
-ExpandFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def grow_dynamic_tree(
@@ -249,12 +249,17 @@ def grow_dynamic_tree(
     *,
     max_depth: int | None = None,
     generator: torch.Generator | None = None,
+    vocab_map: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> DynamicTree:
     """Grow an EAGLE-2 tree.
 
-    ``expand(node_ids [k], tokens [k]) -> logprobs [k, V]`` gives the draft's next-token
-    log-distribution after each of ``k`` frontier nodes (node ids index the candidates produced so
-    far: 0 is the root, then in creation order). At every depth the ``top_k`` frontier nodes with
+    ``expand(node_ids [k], parent_ids [k], tokens [k]) -> logprobs [k, Vd]`` gives the draft's
+    next-token log-distribution after each of ``k`` frontier nodes (node ids index the candidates
+    produced so far: 0 is the root, then in creation order; the root's parent is -1). When the
+    draft has its own reduced vocabulary, ``vocab_map [Vd]`` maps its ids to the verifier's and
+    ``vocab_size`` is the verifier's vocabulary (``q`` is returned over it). At every depth the
+    ``top_k`` frontier nodes with
     the best cumulative log-probability are expanded, each into ``top_k`` children; of those,
     the best ``top_k`` form the next frontier. Finally the best ``num_nodes - 1`` candidates
     overall are kept (a child never scores above its parent, so the kept set is a tree).
@@ -274,7 +279,8 @@ def grow_dynamic_tree(
     for _ in range(depth):
         ids = torch.tensor(frontier, dtype=torch.long)
         toks = torch.tensor([cand_tok[i] for i in frontier], dtype=torch.long)
-        logp = expand(ids, toks).float()  # [k, V]
+        pars = torch.tensor([cand_par[i] for i in frontier], dtype=torch.long)
+        logp = expand(ids, pars, toks).float()  # [k, Vd]
         device = logp.device
         base = torch.tensor([cand_key[i] for i in frontier], device=device)[:, None]
         k = min(spec.top_k, logp.shape[-1])
@@ -288,9 +294,15 @@ def grow_dynamic_tree(
             child_logp = logp.gather(-1, child_tok)
         cum_key = base + child_key
         cum_score = torch.tensor([cand_score[i] for i in frontier], device=device)[:, None] + child_logp
+        if vocab_map is not None:
+            child_tok = vocab_map.to(child_tok.device)[child_tok]
         new_ids = []
         for r, parent in enumerate(frontier):
-            probs = logp[r].exp() if generator is not None else None
+            probs = None
+            if generator is not None:
+                probs = logp[r].exp()
+                if vocab_map is not None:
+                    probs = torch.zeros(vocab_size, device=device).index_copy_(0, vocab_map.to(device), probs)
             taken = []
             for c in range(k):
                 tok = int(child_tok[r, c])

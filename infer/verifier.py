@@ -35,6 +35,19 @@ class VerifierOutput:
     features: torch.Tensor | None
 
 
+def cache_layers(cache: DynamicCache) -> list:
+    """The initialised layers of a cache (each with ``keys`` / ``values`` ``[B, H, S, D]``)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (views: nothing is copied)."""
+    with torch.inference_mode():
+        for layer in cache_layers(cache):
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
+
+
 def sliding_window(config) -> int | None:
     """The attention window that binds some layer of this model, or None."""
     window = getattr(config, "sliding_window", None)
@@ -150,15 +163,12 @@ class Verifier:
                 layer.values[:, :, start : start + k] = layer.values.index_select(2, src)
         self.rollback()
 
-    @torch.inference_mode()
     def rollback(self) -> None:
         """Drop whatever the cache holds beyond the committed tokens (an unaccepted tree)."""
-        for layer in self._layers():
-            layer.keys = layer.keys[:, :, : self.length]
-            layer.values = layer.values[:, :, : self.length]
+        crop_cache(self.cache, self.length)
 
     def _layers(self):
-        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
+        return cache_layers(self.cache)
 
     def _features(self, out) -> torch.Tensor | None:
         if not self.feature_layers:

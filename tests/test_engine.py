@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import VOCAB, ReferenceDrafter, hf_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import VOCAB, ReferenceDrafter, hf_greedy
 from infer import PromptLookupDrafter, generate, stream
 from infer.errors import UserError
 from infer.models import load_verifier, tiny_random_model

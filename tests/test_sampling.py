@@ -57,7 +57,7 @@ class FixedQDrafter(Drafter):
     def propose(self, root, *, tree=None, max_depth=8, generator=None):
         if self.mode == "dynamic":
             logq = self.q.log()
-            t = grow_dynamic_tree(lambda ids, toks: logq.expand(len(ids), -1), root,
+            t = grow_dynamic_tree(lambda ids, parents, toks: logq.expand(len(ids), -1), root,
                                   DynamicTreeSpec(depth=2, top_k=2, num_nodes=5), generator=generator)
             return Draft(t.tokens, build_tree(t.parents), t.q)
         a = int(torch.multinomial(self.q, 1, generator=generator))

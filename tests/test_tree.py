@@ -76,7 +76,7 @@ def _fake_expand(vocab=20, seed=0):
     g = torch.Generator().manual_seed(seed)
     table = torch.randn(vocab, vocab, generator=g).mul(3).log_softmax(-1)  # bigram draft
 
-    def expand(ids, toks):
+    def expand(ids, parents, toks):
         return table[toks]
 
     return expand, table

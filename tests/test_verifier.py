@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import VOCAB, ReferenceDrafter, hf_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
+from conftest import VOCAB, ReferenceDrafter, hf_greedy
 from infer import generate
 from infer.errors import UserError
 from infer.models import tiny_random_model

@@ -1,0 +1,150 @@
+"""Checkpoint IO: safetensors weights + ``config.json`` + a model card, local or on the Hub.
+
+Nothing is ever unpickled. Saving writes into a temporary directory next to the target and
+renames it into place, so an interrupted save never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import HeadConfig, VerifierSpec
+from .modules import DraftHead, build_head
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+CARD = "README.md"
+
+
+class CheckpointError(ValueError):
+    """A directory or repository that is not a usable specheads checkpoint."""
+
+
+def model_card(config: HeadConfig) -> str:
+    """A Hub model card for a head: verifier, head type, data, training steps, measured tau."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    t = config.training
+    data = ModelCardData(
+        library_name="specheads",
+        tags=["speculative-decoding", config.head_type, "draft-head"],
+        base_model=config.verifier.name or None,
+    )
+    lines = [
+        f"# {config.head_type} draft head for `{config.verifier.name}`",
+        "",
+        f"A {config.head_type} draft head trained with [specheads](https://pypi.org/project/specheads/) "
+        "for lossless speculative decoding: the verifier checks every drafted token, so greedy output "
+        "is identical to the verifier's own.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| verifier | `{config.verifier.name}` ({config.verifier.model_type}, hidden {config.verifier.hidden_size}, "
+        f"vocab {config.verifier.vocab_size}, {config.verifier.num_layers} layers, fingerprint `{config.verifier.fingerprint}`) |",
+        f"| head type | {config.head_type} |",
+    ]
+    if config.head_type == "medusa":
+        lines.append(f"| heads x blocks | {config.num_heads} x {config.num_layers} (own LM heads: {config.own_lm_head}) |")
+    if config.head_type == "eagle3":
+        lines.append(f"| draft vocabulary | {config.draft_vocab_size} tokens; fused layers {list(config.aux_layers)} |")
+    for key, label in (("data", "training data"), ("steps", "training steps"), ("tokens", "training tokens"),
+                       ("wall_time_s", "training wall time (s)"), ("acceptance", "held-out top-1 acceptance per depth"),
+                       ("tau", "estimated tau")):
+        if key in t:
+            lines.append(f"| {label} | {t[key]} |")
+    lines += ["", "```bash", f"specheads generate --verifier {config.verifier.name or 'VERIFIER'} --draft THIS_DIR --prompt \"...\"", "```", ""]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).content
+
+
+def save_head(head: DraftHead, directory: str | Path, **training) -> Path:
+    """Save ``head`` (weights, config with ``training`` facts merged in, model card) atomically."""
+    directory = Path(directory)
+    config = head.config
+    if training:
+        config = HeadConfig.from_dict({**config.to_dict(), "training": {**config.training, **training}})
+        head.config = config
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+        save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config.to_dict(), indent=1))
+        (tmp / CARD).write_text(model_card(config))
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def resolve(path_or_repo: str | Path) -> Path:
+    """A local checkpoint directory, or a Hub repo id downloaded to the local cache."""
+    p = Path(path_or_repo)
+    if p.is_dir():
+        return p
+    text = str(path_or_repo)
+    if text.count("/") == 1 and not p.exists():
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.md"]))
+        except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
+            raise CheckpointError(f"cannot fetch draft head {text!r} from the Hub: {type(e).__name__}") from None
+    raise CheckpointError(f"no draft head at {text!r}: give a checkpoint directory or a Hub repo id")
+
+
+def read_config(directory: Path) -> HeadConfig:
+    try:
+        raw = json.loads((directory / CONFIG).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} has no {CONFIG}: not a draft-head checkpoint") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{directory / CONFIG} is not valid JSON ({e.msg})") from None
+    try:
+        return HeadConfig.from_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{directory / CONFIG}: {e}") from None
+
+
+def load_head(path_or_repo: str | Path, *, verifier: torch.nn.Module | None = None) -> DraftHead:
+    """Load a head saved by :func:`save_head`; with ``verifier``, refuse a head trained for
+    another verifier (:class:`~heads.config.HeadMismatchError`)."""
+    directory = resolve(path_or_repo)
+    config = read_config(directory)
+    if verifier is not None:
+        config.verifier.check(VerifierSpec.of(verifier))
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{directory} has no {WEIGHTS} (only safetensors checkpoints are loaded)")
+    head = build_head(config)
+    state = load_file(str(weights))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{weights} does not match a {config.head_type} head: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return head.float().eval()
+
+
+def push_head(directory: str | Path, repo_id: str, *, token: str | None = None, private: bool = False) -> str:
+    """Upload a saved checkpoint directory to the Hub; returns the repo URL."""
+    from huggingface_hub import HfApi
+
+    directory = Path(directory)
+    read_config(directory)  # refuse to upload something that is not a checkpoint
+    api = HfApi(token=token)
+    url = api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(directory), repo_id=repo_id, commit_message="Upload specheads draft head")
+    return str(url)
