@@ -1,14 +1,13 @@
 """Checkpoint IO: safetensors weights + ``config.json`` + a model card, local or on the Hub.
 
-Nothing is ever unpickled. Saving writes into a temporary directory next to the target and
-renames it into place, so an interrupted save never leaves a half-written checkpoint.
+Nothing is ever unpickled. Saving writes each file under a temporary name and renames it into
+place, so an interrupted save never leaves a half-written file.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -40,7 +39,7 @@ def model_card(config: HeadConfig) -> str:
     lines = [
         f"# {config.head_type} draft head for `{config.verifier.name}`",
         "",
-        f"A {config.head_type} draft head trained with [specheads](https://pypi.org/project/specheads/) "
+        f"A draft head ({config.head_type}) trained with [specheads](https://pypi.org/project/specheads/) "
         "for lossless speculative decoding: the verifier checks every drafted token, so greedy output "
         "is identical to the verifier's own.",
         "",
@@ -63,31 +62,32 @@ def model_card(config: HeadConfig) -> str:
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).content
 
 
+def _write_atomic(path: Path, write) -> None:
+    """``write(tmp_path)``, then rename over ``path``: readers never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def save_head(head: DraftHead, directory: str | Path, **training) -> Path:
-    """Save ``head`` (weights, config with ``training`` facts merged in, model card) atomically."""
+    """Save ``head`` (weights, config with ``training`` facts merged in, model card) into
+    ``directory`` (created if needed; other files in it are left alone). Each file is written to a
+    temporary name and renamed, weights first and config last."""
     directory = Path(directory)
     config = head.config
     if training:
         config = HeadConfig.from_dict({**config.to_dict(), "training": {**config.training, **training}})
         head.config = config
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-        save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config.to_dict(), indent=1))
-        (tmp / CARD).write_text(model_card(config))
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    _write_atomic(directory / WEIGHTS, lambda p: save_file(state, p, metadata={"format": "pt"}))
+    _write_atomic(directory / CARD, lambda p: p.write_text(model_card(config)))
+    _write_atomic(directory / CONFIG, lambda p: p.write_text(json.dumps(config.to_dict(), indent=1)))
     return directory
 
 

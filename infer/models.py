@@ -120,7 +120,8 @@ def load_verifier(name: str, *, dtype: torch.dtype = torch.float32, device: str 
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     elif name.startswith("tiny-random:"):
         tokenizer = byte_tokenizer()
-        model = tiny_random_model(name.split(":", 1)[1], vocab_size=len(tokenizer))
+        # a moderate init: varied but patterned text, which heads can learn in a few seconds
+        model = tiny_random_model(name.split(":", 1)[1], vocab_size=len(tokenizer), initializer_range=0.1)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model = model.to(dtype)
     elif Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists() and " " not in name):

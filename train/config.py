@@ -1,0 +1,131 @@
+"""One typed config per training run: defaults live here, recipes in ``configs/*.yaml`` override
+them, ``key=value`` arguments override the recipe. Unknown keys are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad recipe or override: the message names the key."""
+
+
+@dataclass
+class TrainConfig:
+    # what to train, for which verifier
+    verifier: str = "default"
+    head_type: str = "eagle3"  # medusa | medusa2 | eagle1 | eagle3
+    output_dir: str = "runs/head"
+    # data: distilled JSONL (token ids + loss mask); made from `prompts` first if missing
+    data: str = ""
+    prompts: str = ""  # JSONL prompts, or synthetic:N for N generated prompts (tiny verifiers)
+    max_prompts: int = 0  # 0 = all
+    distill_max_new_tokens: int = 256
+    distill_batch_size: int = 8
+    distill_temperature: float = 0.0
+    max_seq_len: int = 1024
+    eval_fraction: float = 0.05
+    # optimisation
+    seed: int = 0
+    batch_size: int = 4  # per process, per micro-step
+    grad_accum: int = 1
+    max_steps: int = 1000  # optimizer steps
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    # checkpoints, evaluation, logging
+    save_every: int = 200
+    eval_every: int = 200
+    eval_batches: int = 8
+    resume: bool = False
+    log_with: str = ""  # "" | tensorboard | wandb
+    cache_features: bool = False  # cache verifier hidden states to disk (safetensors shards)
+    cache_dir: str = ""  # default: <output_dir>/features
+    interrupt_after: int = 0  # stop (as if killed) after this many optimizer steps; for tests
+    # head hyperparameters
+    medusa_num_heads: int = 4
+    medusa_num_layers: int = 1
+    medusa_own_lm_head: bool = False
+    medusa_decay: float = 0.8
+    eagle1_ce_weight: float = 0.1
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 3  # EAGLE-3 training-time test: unrolled draft steps
+    ttt_decay: float = 0.8
+    lora_r: int = 8  # medusa2
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    medusa2_kl_weight: float = 1.0
+    extra: dict = field(default_factory=dict)  # free-form notes copied into the model card
+
+    def __post_init__(self) -> None:
+        if self.head_type not in ("medusa", "medusa2", "eagle1", "eagle3"):
+            raise ConfigError(f"head_type must be medusa, medusa2, eagle1 or eagle3, not {self.head_type!r}")
+        for key in ("batch_size", "grad_accum", "max_steps", "save_every", "eval_every", "ttt_steps", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ConfigError("mixed_precision must be no, bf16 or fp16")
+        if not self.data and not self.prompts:
+            raise ConfigError("give data= (a distilled JSONL) or prompts= (to distil first)")
+
+    @property
+    def distilled_path(self) -> Path:
+        return Path(self.data) if self.data else Path(self.output_dir) / "distilled.jsonl"
+
+
+def _coerce(key: str, value, typ):
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "1", "yes"):
+            return True
+        if str(value).lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{key} must be true or false, not {value!r}")
+    if typ in (int, float, str):
+        try:
+            return typ(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be {typ.__name__}, not {value!r}") from None
+    if origin is dict or typ is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping")
+        return value
+    if isinstance(typ, types.UnionType):
+        return value
+    return value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """A :class:`TrainConfig` from a YAML recipe and ``key=value`` overrides."""
+    raw: dict = {}
+    if path:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {path} must be a mapping of keys to values")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        k, v = item.split("=", 1)
+        raw[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+    hints = typing.get_type_hints(TrainConfig)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"unknown config key {k!r}")
+    values = {k: _coerce(k, v, hints[k]) for k, v in raw.items()}
+    return TrainConfig(**values)

@@ -1,0 +1,190 @@
+"""Self-distillation data: the verifier's own responses to prompts, as token ids with a loss mask.
+
+``distill`` is resumable: records are appended one batch at a time (flushed and synced), a
+restarted run skips the ids already written, and a torn last line is dropped, so every record is
+written exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infer.bench import read_prompts
+from infer.text import encode_prompt, eos_ids
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+
+
+def load_prompts(spec: str, limit: int = 0, seed: int = 0) -> list[Prompt]:
+    """Prompts from a JSONL file (``prompt`` or ``turns``; ``id`` if present), a ``datasets``
+    dataset (``hf:NAME[:SPLIT]``, column ``prompt``), or ``synthetic:N`` (N short generated
+    prompts, for tiny random verifiers)."""
+    if spec.startswith("synthetic:"):
+        rng = random.Random(seed)
+        words = ["alpha", "beta", "gamma", "delta", "one", "two", "three", "red", "green", "blue", "cat", "dog"]
+        out = []
+        for i in range(int(spec.split(":", 1)[1])):
+            seq = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+            out.append(Prompt(f"synthetic-{i}", f"Repeat: {seq} {seq}"))
+        return out[: limit or None]
+    if spec.startswith("hf:"):
+        import datasets
+
+        name, _, split = spec[3:].partition(":")
+        ds = datasets.load_dataset(name, split=split or "train")
+        out = [Prompt(str(r.get("id", i)), r["prompt"]) for i, r in enumerate(ds)]
+        return out[: limit or None]
+    rows = [json.loads(line) for line in Path(spec).read_text(encoding="utf-8").splitlines() if line.strip()]
+    texts = read_prompts(spec)
+    out = [Prompt(str(r.get("id", i)), p.text) for i, (r, p) in enumerate(zip(rows, texts))]
+    return out[: limit or None]
+
+
+def _read_done(path: Path) -> set[str]:
+    """Ids already distilled; a torn last line (killed mid-write) is cut off."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+        data = data[:cut]
+    return {json.loads(line)["id"] for line in data.decode("utf-8").splitlines() if line.strip()}
+
+
+@torch.inference_mode()
+def distill(
+    model,
+    tokenizer,
+    prompts: list[Prompt],
+    out_path: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    seed: int = 0,
+    max_prompt_tokens: int = 768,
+    progress: bool = True,
+) -> int:
+    """Generate the verifier's responses (batched, greedy or sampled) and append records
+    ``{"id", "input_ids", "loss_mask"}`` (mask 1 on response tokens) to ``out_path``. Returns the
+    number of records written by this call."""
+    from tqdm.auto import tqdm
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _read_done(out_path)
+    todo = [p for p in prompts if p.id not in done]
+    eos = eos_ids(model, tokenizer)
+    pad = eos[0] if eos else 0
+    device = next(model.parameters()).device
+    written = 0
+    torch.manual_seed(seed)
+    with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
+                                                           desc="distill", disable=not progress) as bar:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            encoded = [encode_prompt(tokenizer, p.text)[-max_prompt_tokens:] for p in batch]
+            width = max(len(e) for e in encoded)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, e in enumerate(encoded):  # left padding
+                ids[i, width - len(e) :] = e
+                mask[i, width - len(e) :] = 1
+            kwargs = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos or None, pad_token_id=pad, **kwargs)
+            lines = []
+            for i, (p, e) in enumerate(zip(batch, encoded)):
+                resp = out[i, width:].tolist()
+                for j, t in enumerate(resp):
+                    if t in eos:
+                        resp = resp[: j + 1]
+                        break
+                rec = {"id": p.id, "input_ids": e.tolist() + resp, "loss_mask": [0] * len(e) + [1] * len(resp)}
+                lines.append(json.dumps(rec) + "\n")
+            f.write("".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+            written += len(batch)
+            bar.update(len(batch))
+    return written
+
+
+@dataclass
+class Record:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def load_records(path: str | Path, max_seq_len: int) -> list[Record]:
+    """Distilled records, truncated to ``max_seq_len``; records without response tokens dropped."""
+    out = []
+    for no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            rec = Record(r["input_ids"][:max_seq_len], r["loss_mask"][:max_seq_len])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{no}: not a distilled record (needs input_ids and loss_mask)") from None
+        if sum(rec.loss_mask) >= 2:
+            out.append(rec)
+    return out
+
+
+def split_records(records: list[Record], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic train / held-out split of record indices."""
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = int(round(eval_fraction * len(records))) if len(records) > 1 else 0
+    n_eval = min(max(n_eval, 1 if eval_fraction > 0 and len(records) > 1 else 0), len(records) - 1)
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+@dataclass
+class Batch:
+    """A right-padded batch. ``input_ids``, ``attention_mask``, ``loss_mask``: ``[B, T]``;
+    ``index``: ``[B]`` record indices (for the feature cache)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    index: torch.Tensor
+
+    def to(self, device) -> Batch:
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.index)))
+
+
+def collate(records: list[Record], indices: list[int]) -> Batch:
+    width = max(len(records[i].input_ids) for i in indices)
+    b = len(indices)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    att = torch.zeros(b, width, dtype=torch.long)
+    lm = torch.zeros(b, width, dtype=torch.long)
+    for row, i in enumerate(indices):
+        r = records[i]
+        n = len(r.input_ids)
+        ids[row, :n] = torch.tensor(r.input_ids)
+        att[row, :n] = 1
+        lm[row, :n] = torch.tensor(r.loss_mask)
+    return Batch(ids, att, lm, torch.tensor(indices))
+
+
+def response_token_counts(records: list[Record], vocab_size: int) -> torch.Tensor:
+    """How often each token appears in the responses ``[V]`` (for EAGLE-3's draft vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in records:
+        toks = torch.tensor([t for t, m in zip(r.input_ids, r.loss_mask) if m], dtype=torch.long)
+        counts += torch.bincount(toks, minlength=vocab_size)[:vocab_size]
+    return counts

@@ -1,0 +1,85 @@
+"""The frozen verifier's hidden states for a batch, computed online or read from a disk cache.
+
+Per position ``t`` of a sequence: ``last [T, h]`` (the final, normed hidden state; its LM-head
+projection is the verifier's next-token logits) and, for EAGLE-3, ``aux [T, 3, h]`` (the inputs
+of the three fused layers).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .data import Batch
+
+
+@dataclass
+class Features:
+    last: torch.Tensor  # [B, T, h]
+    aux: torch.Tensor | None  # [B, T, 3, h]
+
+
+def verifier_logits(model, last: torch.Tensor) -> torch.Tensor:
+    """The verifier's logits from its final hidden states ``[..., h]`` (with the final logit
+    soft-capping of models whose config has one)."""
+    logits = model.get_output_embeddings()(last.to(model.get_output_embeddings().weight.dtype))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.no_grad()
+def compute_features(model, batch: Batch, aux_layers: tuple[int, ...]) -> Features:
+    """One no-grad forward of the verifier (in eval mode) over the batch."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    hs = out.hidden_states
+    aux = torch.stack([hs[i] for i in aux_layers], dim=2) if aux_layers else None
+    return Features(last=hs[-1], aux=aux)
+
+
+class FeatureCache:
+    """Verifier features per record as safetensors files (float16), for multi-epoch runs."""
+
+    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float16):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dtype = dtype
+
+    def _path(self, index: int) -> Path:
+        return self.dir / f"{index:07d}.safetensors"
+
+    def get(self, model, batch: Batch, aux_layers: tuple[int, ...]) -> Features:
+        idx = batch.index.tolist()
+        missing = [r for r, i in enumerate(idx) if not self._path(i).exists()]
+        if missing:
+            fresh = compute_features(model, batch, aux_layers)
+            for r in missing:
+                n = int(batch.attention_mask[r].sum())
+                tensors = {"last": fresh.last[r, :n].to(self.dtype).contiguous().cpu()}
+                if fresh.aux is not None:
+                    tensors["aux"] = fresh.aux[r, :n].to(self.dtype).contiguous().cpu()
+                tmp = self._path(idx[r]).with_suffix(".tmp")
+                save_file(tensors, tmp)
+                os.replace(tmp, self._path(idx[r]))
+        b, t = batch.input_ids.shape
+        h = model.config.hidden_size
+        last = torch.zeros(b, t, h)
+        aux = torch.zeros(b, t, len(aux_layers), h) if aux_layers else None
+        for r, i in enumerate(idx):
+            stored = load_file(str(self._path(i)))
+            n = stored["last"].shape[0]
+            last[r, :n] = stored["last"].float()
+            if aux is not None:
+                aux[r, :n] = stored["aux"].float()
+        dev = batch.input_ids.device
+        return Features(last=last.to(dev), aux=aux.to(dev) if aux is not None else None)

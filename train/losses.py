@@ -1,0 +1,149 @@
+"""Training losses per head type, all on response tokens only.
+
+Every loss is a mean over the valid positions of each sequence, then a mean over sequences, so
+that gradient accumulation over micro-batches equals one bigger batch (and DDP across processes
+equals one process with the same global batch). Each returns ``(loss, metrics)``; metrics hold
+per-depth top-1 agreement with the verifier (``acc_<d>``) as float tensors.
+
+Positions: the verifier's features at position ``t`` predict token ``t + 1``. EAGLE pairs are
+(feature ``t``, token ``t + 1``) at position ``t``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from heads.modules import _float_mask
+
+from .features import Features, verifier_logits
+
+
+def _seq_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``values``, ``valid``: ``[B, T]`` -> mean over valid positions per row, then over rows
+    that have any (a scalar; 0 when none)."""
+    valid = valid.to(values.dtype)
+    per_row = (values * valid).sum(-1)
+    count = valid.sum(-1)
+    rows = count > 0
+    if not rows.any():
+        return values.sum() * 0.0
+    return (per_row[rows] / count[rows]).mean()
+
+
+def _shifted_valid(loss_mask: torch.Tensor, shift: int) -> torch.Tensor:
+    """``valid[b, t]`` = position ``t + shift`` exists and is a response token; ``[B, T]``."""
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < loss_mask.shape[1]:
+        valid[:, : loss_mask.shape[1] - shift] = loss_mask[:, shift:].bool()
+    return valid
+
+
+def _shift(x: torch.Tensor, shift: int, dim: int = 1) -> torch.Tensor:
+    """``out[:, t] = x[:, t + shift]`` (zero past the end)."""
+    out = torch.zeros_like(x)
+    n = x.shape[dim]
+    if shift < n:
+        out.narrow(dim, 0, n - shift).copy_(x.narrow(dim, shift, n - shift))
+    return out
+
+
+def medusa_loss(head, verifier, feats: Features, input_ids, loss_mask, decay: float = 0.8):
+    """Medusa-1: head ``k`` at position ``t`` predicts token ``t + 2 + k``; CE weighted ``decay**k``."""
+    lm_head = None if head.lm_heads is not None else verifier.get_output_embeddings()
+    logits = head(feats.last, lm_head)  # [K, B, T, V]
+    total = logits.new_zeros(())
+    metrics = {}
+    for k in range(logits.shape[0]):
+        target = _shift(input_ids, 2 + k)
+        valid = _shifted_valid(loss_mask, 2 + k)
+        ce = F.cross_entropy(logits[k].flatten(0, 1).float(), target.flatten(), reduction="none").view_as(target)
+        total = total + decay**k * _seq_mean(ce, valid)
+        metrics[f"acc_{k + 1}"] = _seq_mean((logits[k].argmax(-1) == target).float(), valid).detach()
+    return total, metrics
+
+
+def _soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """``-sum p log q`` over the last dim."""
+    return -(target_probs * torch.log_softmax(logits.float(), -1)).sum(-1)
+
+
+def eagle1_loss(head, verifier, feats: Features, input_ids, loss_mask, ce_weight: float = 0.1):
+    """EAGLE-1: from (feature ``t``, token ``t + 1``) predict feature ``t + 1``: SmoothL1 on the
+    feature plus ``ce_weight`` x soft CE of its LM-head projection against the verifier's
+    distribution at ``t + 1``."""
+    f = feats.last
+    b, t, _ = f.shape
+    embeds = verifier.get_input_embeddings()(_shift(input_ids, 1)).to(f.dtype)
+    pos = torch.arange(t, device=f.device).expand(b, t)
+    mask = _causal(b, t, f.dtype, f.device)
+    pred = head(f, embeds, pos, mask)
+    target = _shift(f, 1)
+    valid = _shifted_valid(loss_mask, 1) & _shifted_valid(torch.ones_like(loss_mask), 1)
+    reg = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1)
+    with torch.no_grad():
+        p = torch.softmax(verifier_logits(verifier, target).float(), -1)
+    q_logits = verifier_logits(verifier, pred)
+    ce = _soft_ce(q_logits, p)
+    loss = _seq_mean(reg, valid) + ce_weight * _seq_mean(ce, valid)
+    acc = _seq_mean((q_logits.argmax(-1) == p.argmax(-1)).float(), valid).detach()
+    return loss, {"acc_1": acc}
+
+
+def _causal(b: int, t: int, dtype, device) -> torch.Tensor:
+    allowed = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return _float_mask(allowed.expand(b, t, t), dtype)
+
+
+def eagle3_loss(head, verifier, feats: Features, input_ids, loss_mask, steps: int = 3, decay: float = 0.8):
+    """EAGLE-3 training-time test: unroll ``steps`` draft steps. Step 0 reads the fused verifier
+    features; step ``s`` at index ``t`` reads the head's own step ``s - 1`` output, token
+    ``t + 1 + s`` at position ``t + s``, and attends to step-0 keys at indices ``<= t`` plus its own
+    keys of steps ``1..s`` (as at inference: committed prefix + draft ancestors). Each step's
+    draft distribution over the draft vocabulary is fit by soft CE to the verifier's distribution
+    (restricted to the draft vocabulary) at ``t + 1 + s``, weighted ``decay**s``."""
+    from transformers import DynamicCache
+
+    last = feats.last
+    b, t, _ = last.shape
+    device, dtype = last.device, head.fc.weight.dtype
+    draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size, device=device))
+    with torch.no_grad():
+        full = verifier_logits(verifier, last).float()  # [B, T, V]
+        argmax_full = full.argmax(-1)
+        p_draft = torch.softmax(full[..., draft_ids], -1)  # [B, T, Vd]
+        in_vocab = head.t2d[argmax_full]
+        argmax_draft = (full[..., draft_ids]).argmax(-1)
+    hidden = head.fuse(feats.aux.to(dtype))
+    cache = DynamicCache()
+    eye = torch.eye(t, dtype=torch.bool, device=device).expand(b, t, t)
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+    total = hidden.new_zeros(())
+    metrics = {}
+    embed = verifier.get_input_embeddings()
+    for s in range(steps):
+        tokens = _shift(input_ids, 1 + s)
+        embeds = embed(tokens).to(dtype)
+        pos = (torch.arange(t, device=device) + s).expand(b, t)
+        allowed = torch.cat([causal] + [eye] * s, dim=-1)  # [B, T, (s + 1) T]
+        out = head(hidden, embeds, pos, _float_mask(allowed, dtype), cache)
+        logits = head.logits(out)  # [B, T, Vd]
+        target = _shift(p_draft, 1 + s)
+        valid = _shifted_valid(loss_mask, 1 + s) & _shifted_valid(torch.ones_like(loss_mask), 1 + s)
+        total = total + decay**s * _seq_mean(_soft_ce(logits, target), valid)
+        hit = (logits.argmax(-1) == _shift(argmax_draft, 1 + s)) & _shift(in_vocab, 1 + s)
+        metrics[f"acc_{s + 1}"] = _seq_mean(hit.float(), valid).detach()
+        hidden = out
+    return total, metrics
+
+
+def estimated_tau(metrics: dict) -> float:
+    """Chain estimate from per-depth top-1 acceptance: ``1 + a1 + a1 a2 + ...``."""
+    tau, run = 1.0, 1.0
+    for d in range(1, 100):
+        a = metrics.get(f"acc_{d}")
+        if a is None:
+            break
+        run *= float(a)
+        tau += run
+    return tau

@@ -1,0 +1,274 @@
+"""Train a draft head on the hidden states of a frozen verifier.
+
+    accelerate launch train/train_heads.py --config configs/<recipe>.yaml [key=value ...]
+
+Accelerate handles devices, DDP / DeepSpeed, mixed precision, gradient accumulation, checkpoint
+state and trackers. The verifier runs in ``eval()`` under ``no_grad`` (Medusa-2: only its LoRA
+adapters train); its parameters are never given to the optimizer. The final head is written
+into ``output_dir`` (``config.json``, ``model.safetensors``, ``README.md``), ready for
+``specheads generate --draft output_dir``; resumable checkpoints go to ``output_dir/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by `accelerate launch train/train_heads.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch import nn
+
+from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
+from train.config import ConfigError, TrainConfig, load_config
+from train.data import collate, distill, load_prompts, load_records, response_token_counts, split_records
+from train.features import FeatureCache, compute_features
+from train.losses import eagle1_loss, eagle3_loss, estimated_tau, medusa_loss
+
+
+class Joint(nn.Module):
+    """What the optimizer trains: the head, and for Medusa-2 the verifier with LoRA adapters."""
+
+    def __init__(self, head: nn.Module, verifier: nn.Module | None = None):
+        super().__init__()
+        self.head = head
+        self.verifier = verifier
+
+
+def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
+    spec = VerifierSpec.of(model, cfg.verifier)
+    kind = "medusa" if cfg.head_type == "medusa2" else cfg.head_type
+    kwargs = {}
+    if kind == "medusa":
+        kwargs = dict(num_heads=cfg.medusa_num_heads, num_layers=cfg.medusa_num_layers, own_lm_head=cfg.medusa_own_lm_head)
+    if kind == "eagle3":
+        kwargs = dict(draft_vocab_size=min(cfg.draft_vocab_size, spec.vocab_size), aux_layers=default_aux_layers(spec.num_layers))
+    hc = HeadConfig(kind, spec, layer_config=model.config.to_dict() if kind != "medusa" else {}, **kwargs)
+    head = build_head(hc)
+    if kind == "eagle3":  # the most frequent response tokens form the draft vocabulary
+        counts = response_token_counts(records, spec.vocab_size)
+        top = torch.topk(counts.float() + torch.arange(spec.vocab_size).flip(0) * 1e-9, hc.draft_vocab_size).indices
+        head.set_vocab(top)
+    return head
+
+
+def loss_fn(cfg: TrainConfig, head, verifier, feats, batch):
+    if cfg.head_type in ("medusa", "medusa2"):
+        return medusa_loss(head, verifier, feats, batch.input_ids, batch.loss_mask, cfg.medusa_decay)
+    if cfg.head_type == "eagle1":
+        return eagle1_loss(head, verifier, feats, batch.input_ids, batch.loss_mask, cfg.eagle1_ce_weight)
+    return eagle3_loss(head, verifier, feats, batch.input_ids, batch.loss_mask, cfg.ttt_steps, cfg.ttt_decay)
+
+
+def medusa2_kl(verifier, batch) -> torch.Tensor:
+    """KL(adapter-free verifier || adapted verifier) on response tokens: keeps the adapted
+    verifier's distribution close to the original (Medusa-2's self-distillation term)."""
+    from train.losses import _seq_mean
+
+    with torch.no_grad(), verifier.disable_adapter():
+        base = verifier(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    adapted = verifier(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    kl = (torch.softmax(base, -1) * (torch.log_softmax(base, -1) - torch.log_softmax(adapted, -1))).sum(-1)
+    return _seq_mean(kl, batch.loss_mask.bool())
+
+
+def batch_indices(order_for_epoch, n_train: int, micro: int, global_batch: int, rank: int, per_rank: int) -> list[int]:
+    """Record indices of this process's share of global micro-batch number ``micro``."""
+    per_epoch = max(1, n_train // global_batch)
+    epoch, k = divmod(micro, per_epoch)
+    order = order_for_epoch(epoch)
+    glob = order[k * global_batch : (k + 1) * global_batch]
+    return glob[rank * per_rank : (rank + 1) * per_rank]
+
+
+def train(cfg: TrainConfig) -> dict:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from infer.models import load_verifier
+
+    out = Path(cfg.output_dir)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.grad_accum,
+        mixed_precision=cfg.mixed_precision,
+        log_with=cfg.log_with or None,
+        project_dir=str(out),
+        step_scheduler_with_optimizer=False,
+    )
+    set_seed(cfg.seed)
+    t_start = time.time()
+    lv = load_verifier(cfg.verifier, device=accelerator.device)
+    model = lv.model.eval()
+    model.requires_grad_(False)
+
+    data_path = cfg.distilled_path
+    if cfg.prompts:
+        if accelerator.is_main_process:
+            prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed)
+            distill(model, lv.tokenizer, prompts, data_path, max_new_tokens=cfg.distill_max_new_tokens,
+                    batch_size=cfg.distill_batch_size, temperature=cfg.distill_temperature, seed=cfg.seed)
+        accelerator.wait_for_everyone()
+    records = load_records(data_path, cfg.max_seq_len)
+    if len(records) < 2:
+        raise ConfigError(f"{data_path} holds fewer than 2 usable records")
+    train_idx, eval_idx = split_records(records, cfg.eval_fraction, cfg.seed)
+
+    torch.manual_seed(cfg.seed)
+    head = build_draft_head(cfg, model, [records[i] for i in train_idx])
+    aux_layers = head.config.aux_layers if head.config.head_type == "eagle3" else ()
+    verifier = model
+    if cfg.head_type == "medusa2":
+        from peft import LoraConfig, get_peft_model
+
+        verifier = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    joint = Joint(head, verifier if cfg.head_type == "medusa2" else None)
+    params = [p for p in joint.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_lambda(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    joint, optimizer = accelerator.prepare(joint, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    unwrapped = accelerator.unwrap_model(joint)
+    head = unwrapped.head
+    if cfg.head_type == "medusa2":
+        verifier = unwrapped.verifier
+
+    ckpt_dir = out / "checkpoints"
+    step = 0
+    if cfg.resume and ckpt_dir.is_dir():
+        saved = sorted(ckpt_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        if saved:
+            accelerator.load_state(str(saved[-1]))
+            step = json.loads((saved[-1] / "train_state.json").read_text())["step"]
+            accelerator.print(f"resumed from {saved[-1]} at step {step}")
+    if cfg.log_with:
+        accelerator.init_trackers("specheads", config={k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))})
+
+    cache = FeatureCache(cfg.cache_dir or out / "features") if cfg.cache_features else None
+    per_rank, world = cfg.batch_size, accelerator.num_processes
+    global_batch = per_rank * world
+    if len(train_idx) < global_batch:
+        raise ConfigError(f"{len(train_idx)} training records are fewer than one global batch ({global_batch})")
+    orders: dict[int, list[int]] = {}
+
+    def order_for_epoch(epoch: int) -> list[int]:
+        if epoch not in orders:
+            perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+            orders[epoch] = [train_idx[i] for i in perm.tolist()]
+        return orders[epoch]
+
+    def features_for(batch):
+        if cache is not None and cfg.head_type != "medusa2":
+            return cache.get(model, batch, aux_layers)
+        return compute_features(verifier, batch, aux_layers)
+
+    def evaluate() -> dict:
+        if not eval_idx:
+            return {}
+        head.eval()
+        sums: dict[str, float] = {}
+        n = 0
+        with torch.no_grad():
+            for k in range(0, min(len(eval_idx), cfg.eval_batches * per_rank), per_rank):
+                batch = collate(records, eval_idx[k : k + per_rank]).to(accelerator.device)
+                loss, metrics = loss_fn(cfg, head, verifier, features_for(batch), batch)
+                for key, v in {"loss": loss, **metrics}.items():
+                    sums[key] = sums.get(key, 0.0) + float(v)
+                n += 1
+        head.train()
+        res = {f"eval_{k}": v / n for k, v in sums.items()}
+        res["eval_tau"] = estimated_tau({k[5:]: v for k, v in res.items() if k.startswith("eval_acc_")})
+        return res
+
+    head.train()
+    history = []
+    last_eval: dict = {}
+    while step < cfg.max_steps:
+        t0 = time.time()
+        logs = {}
+        for micro in range(cfg.grad_accum):
+            idx = batch_indices(order_for_epoch, len(train_idx), step * cfg.grad_accum + micro, global_batch,
+                                accelerator.process_index, per_rank)
+            batch = collate(records, idx).to(accelerator.device)
+            feats = features_for(batch)
+            with accelerator.accumulate(joint):
+                with accelerator.autocast():
+                    loss, metrics = loss_fn(cfg, head, verifier, feats, batch)
+                    if cfg.head_type == "medusa2":
+                        loss = loss + cfg.medusa2_kl_weight * medusa2_kl(verifier, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            logs["loss"] = logs.get("loss", 0.0) + float(loss.detach()) / cfg.grad_accum
+            for k, v in metrics.items():
+                logs[k] = logs.get(k, 0.0) + float(v) / cfg.grad_accum
+        scheduler.step()
+        step += 1
+        logs.update(lr=scheduler.get_last_lr()[0], step_s=time.time() - t0)
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            last_eval = evaluate()
+            logs.update(last_eval)
+        history.append({"step": step, **logs})
+        if cfg.log_with:
+            accelerator.log(logs, step=step)
+        if accelerator.is_main_process and (step % 10 == 0 or step == 1 or step == cfg.max_steps):
+            accelerator.print(json.dumps({"step": step, **{k: round(v, 4) for k, v in logs.items()}}))
+        if step % cfg.save_every == 0 and step < cfg.max_steps:
+            path = ckpt_dir / f"step_{step}"
+            accelerator.save_state(str(path))
+            if accelerator.is_main_process:
+                (path / "train_state.json").write_text(json.dumps({"step": step}))
+            accelerator.wait_for_everyone()
+        if cfg.interrupt_after and step >= cfg.interrupt_after:
+            accelerator.print(f"interrupted after step {step} (interrupt_after)")
+            accelerator.end_training()
+            return {"step": step, "interrupted": True, "history": history, "head": head, "verifier": verifier}
+
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        facts = {
+            "data": str(cfg.prompts or data_path), "records": len(records), "steps": step,
+            "tokens": int(sum(sum(r.loss_mask) for r in records)), "wall_time_s": round(time.time() - t_start),
+            "acceptance": {k[9:]: round(v, 4) for k, v in last_eval.items() if k.startswith("eval_acc_")},
+            "tau": round(last_eval.get("eval_tau", 0.0), 3), **cfg.extra,
+        }
+        head.save_pretrained(out, **facts)
+        if cfg.head_type == "medusa2":
+            verifier.save_pretrained(str(out / "adapter"))
+        (out / "train_history.json").write_text(json.dumps(history))
+    accelerator.end_training()
+    return {"step": step, "interrupted": False, "history": history, "eval": last_eval, "head": head, "verifier": verifier}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="train_heads.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="YAML recipe (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
+    args = parser.parse_args(argv)
+    from infer.errors import UserError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        train(cfg)
+    except (ConfigError, UserError) as e:
+        print(f"train_heads: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
