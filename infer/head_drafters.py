@@ -154,13 +154,25 @@ class EagleDrafter(Drafter):
 
 
 def load_head_drafter(path_or_repo: str, verifier_model, tree=None) -> Drafter:
-    """A drafter for a saved head; refuses a head trained for another verifier."""
+    """A drafter for a saved head; refuses a head trained for another verifier.
+
+    A Medusa-2 checkpoint carries LoRA adapters for the verifier (``adapter/``): they are merged
+    into ``verifier_model`` **in place**, and that adapted model is the verifier from then on
+    (greedy output is identical to *its* greedy output)."""
+    from pathlib import Path
+
     from heads import CheckpointError, HeadMismatchError
+    from heads.io import resolve
 
     try:
         head = load_head(path_or_repo, verifier=verifier_model)
+        adapter = resolve(path_or_repo) / "adapter"
     except (CheckpointError, HeadMismatchError) as e:
         raise UserError(str(e)) from None
+    if (Path(adapter) / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        PeftModel.from_pretrained(verifier_model, str(adapter)).merge_and_unload()
     head = head.to(next(verifier_model.parameters()).device)
     if isinstance(head, MedusaHeads):
         return MedusaDrafter(head, verifier_model, tree)

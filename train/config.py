@@ -36,6 +36,7 @@ class TrainConfig:
     batch_size: int = 4  # per process, per micro-step
     grad_accum: int = 1
     max_steps: int = 1000  # optimizer steps
+    optimizer: str = "adamw"  # adamw | sgd (sgd: gradients compare linearly, used by equivalence tests)
     lr: float = 3e-4
     weight_decay: float = 0.0
     warmup_steps: int = 20
@@ -71,6 +72,8 @@ class TrainConfig:
         for key in ("batch_size", "grad_accum", "max_steps", "save_every", "eval_every", "ttt_steps", "max_seq_len"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError("optimizer must be adamw or sgd")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ConfigError("mixed_precision must be no, bf16 or fp16")
         if not self.data and not self.prompts:

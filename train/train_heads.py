@@ -32,12 +32,28 @@ from train.losses import eagle1_loss, eagle3_loss, estimated_tau, medusa_loss
 
 
 class Joint(nn.Module):
-    """What the optimizer trains: the head, and for Medusa-2 the verifier with LoRA adapters."""
+    """What the optimizer trains: the head, and for Medusa-2 the verifier with LoRA adapters.
+    Its forward computes the loss, so that DDP sees every training forward pass."""
 
-    def __init__(self, head: nn.Module, verifier: nn.Module | None = None):
+    def __init__(self, cfg: TrainConfig, head: nn.Module, verifier: nn.Module, trains_verifier: bool):
         super().__init__()
+        self.cfg = cfg
         self.head = head
-        self.verifier = verifier
+        if trains_verifier:
+            self.verifier = verifier
+        else:  # frozen: kept out of the module tree (no DDP broadcast, no optimizer state)
+            self._frozen = [verifier]
+
+    @property
+    def frozen_or_adapted_verifier(self) -> nn.Module:
+        return self.verifier if hasattr(self, "verifier") else self._frozen[0]
+
+    def forward(self, feats, batch):
+        verifier = self.frozen_or_adapted_verifier
+        loss, metrics = loss_fn(self.cfg, self.head, verifier, feats, batch)
+        if self.cfg.head_type == "medusa2":
+            loss = loss + self.cfg.medusa2_kl_weight * medusa2_kl(verifier, batch)
+        return loss, metrics
 
 
 def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
@@ -101,6 +117,7 @@ def train(cfg: TrainConfig) -> dict:
         step_scheduler_with_optimizer=False,
     )
     set_seed(cfg.seed)
+    accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, device {accelerator.device}")
     t_start = time.time()
     lv = load_verifier(cfg.verifier, device=accelerator.device)
     model = lv.model.eval()
@@ -127,9 +144,12 @@ def train(cfg: TrainConfig) -> dict:
 
         verifier = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    joint = Joint(head, verifier if cfg.head_type == "medusa2" else None)
+    joint = Joint(cfg, head, verifier, trains_verifier=cfg.head_type == "medusa2")
     params = [p for p in joint.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        optimizer = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def lr_lambda(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -142,8 +162,7 @@ def train(cfg: TrainConfig) -> dict:
     accelerator.register_for_checkpointing(scheduler)
     unwrapped = accelerator.unwrap_model(joint)
     head = unwrapped.head
-    if cfg.head_type == "medusa2":
-        verifier = unwrapped.verifier
+    verifier = unwrapped.frozen_or_adapted_verifier
 
     ckpt_dir = out / "checkpoints"
     step = 0
@@ -205,9 +224,7 @@ def train(cfg: TrainConfig) -> dict:
             feats = features_for(batch)
             with accelerator.accumulate(joint):
                 with accelerator.autocast():
-                    loss, metrics = loss_fn(cfg, head, verifier, feats, batch)
-                    if cfg.head_type == "medusa2":
-                        loss = loss + cfg.medusa2_kl_weight * medusa2_kl(verifier, batch)
+                    loss, metrics = joint(feats, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
