@@ -54,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="PNG of speedup, tau and accepted lengths")
     b.add_argument("--verify-cost", action="store_true", help="also measure the verify-cost curve")
 
+    d = sub.add_parser("distill", help="self-distil a verifier on prompts (runs train/distill.py)", add_help=False)
+    d.add_argument("args", nargs=argparse.REMAINDER)
+    t = sub.add_parser("train", help="train a draft head: accelerate launch train/train_heads.py --config RECIPE [key=value ...]")
+    t.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
+    t.add_argument("--accelerate-config", default=None, help="accelerate config (default: one CPU process)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides")
+    pu = sub.add_parser("push", help="upload a trained head directory to the Hugging Face Hub")
+    pu.add_argument("directory")
+    pu.add_argument("repo_id")
+    pu.add_argument("--private", action="store_true")
+    pu.add_argument("--token", default=None)
+
     c = sub.add_parser("cost", help="time a verify pass over 1..64 tree nodes relative to one token")
     c.add_argument("--verifier", default="default")
     c.add_argument("--nodes", default="1,4,8,16,32,64")
@@ -227,10 +239,52 @@ def cmd_cost(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def _run(cmd: list[str]) -> int:
+    """Run a training-side program in a child process (infer never imports train)."""
+    import subprocess
+
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost}[args.command](args)
+        return subprocess.call(cmd)
+    except FileNotFoundError as e:
+        raise UserError(f"cannot run {cmd[0]}: {e.strerror}") from None
+
+
+def cmd_distill(rest: list[str]) -> int:
+    return _run([sys.executable, "-m", "train.distill", *rest])
+
+
+def cmd_train(args) -> int:
+    import os
+    import shutil
+
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    if accelerate is None:
+        raise UserError("accelerate is not installed: pip install accelerate")
+    launch = ["--config_file", args.accelerate_config] if args.accelerate_config else ["--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return _run([accelerate, "launch", *launch, "-m", "train.train_heads", "--config", args.config, *args.overrides])
+
+
+def cmd_push(args) -> int:
+    from heads import CheckpointError, push_head
+
+    try:
+        url = push_head(args.directory, args.repo_id, token=args.token, private=args.private)
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - network and auth failures: one line
+        raise UserError(f"upload to {args.repo_id} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    print(url)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["distill"]:  # its options belong to train/distill.py
+        return cmd_distill(argv[1:])
+    args = build_parser().parse_args(argv)
+    commands = {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost, "train": cmd_train, "push": cmd_push}
+    try:
+        return commands[args.command](args)
     except UserError as e:
         print(f"specheads: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,54 @@
+"""Self-distillation from the command line (``specheads distill`` runs this).
+
+    python -m train.distill --verifier default --prompts train/data/train_prompts.jsonl \\
+        --out runs/distilled-default.jsonl --limit 4000 --max-new-tokens 192
+
+Resumable: run the same command again after a stop and it continues where it left off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.data import distill, load_prompts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="specheads distill", description="Generate the verifier's own responses to prompts.")
+    p.add_argument("--verifier", default="default")
+    p.add_argument("--prompts", required=True, help="JSONL (prompt or turns), hf:NAME[:SPLIT], or synthetic:N")
+    p.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
+    p.add_argument("--limit", type=int, default=0, help="first N prompts only (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    from infer.errors import UserError
+    from infer.models import load_verifier
+
+    try:
+        if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0:
+            raise UserError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
+        try:
+            prompts = load_prompts(args.prompts, args.limit, args.seed)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read prompts {args.prompts}: {e}") from None
+        lv = load_verifier(args.verifier, device=args.device)
+        n = distill(lv.model, lv.tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                    batch_size=args.batch_size, temperature=args.temperature, seed=args.seed)
+    except UserError as e:
+        print(f"specheads: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {n} records to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
