@@ -36,9 +36,9 @@ class VerifyCost:
     @classmethod
     def from_measurement(cls, measured: dict) -> VerifyCost:
         """From :func:`infer.bench.measure_verify_cost`'s result."""
-        rel = measured["relative"]
-        nodes = sorted(int(n) for n in rel)
-        return cls(tuple(nodes), tuple(float(rel[n]) for n in nodes))
+        rel = {int(n): float(r) for n, r in measured["relative"].items()}  # JSON keys are strings
+        nodes = sorted(rel)
+        return cls(tuple(nodes), tuple(rel[n] for n in nodes))
 
 
 #: Measured with `specheads cost` for the default verifier on the 2-core CPU machine (BENCHMARKS.md).

@@ -116,6 +116,7 @@ class PromptLookupDrafter(Drafter):
         self._ctx = np.zeros(0, dtype=np.int64)
         self._len = 0
         self._last: tuple[int, int] | None = None  # (n-gram length, depth) of the last draft
+        self._stats: dict[int, tuple[float, float]] = {}  # n -> (accepted, rejected) counts
 
     def acceptance(self, n: int) -> float:
         """Estimated per-token acceptance of drafts from ``n``-gram matches in this generation."""
@@ -125,7 +126,7 @@ class PromptLookupDrafter(Drafter):
     def begin(self, prompt_ids, features=None) -> None:
         self._ctx = np.zeros(max(1024, 2 * len(prompt_ids)), dtype=np.int64)
         self._len = 0
-        self._stats: dict[int, tuple[float, float]] = {}
+        self._stats = {}
         self._last = None
         self._append(prompt_ids.tolist())
 
@@ -186,7 +187,7 @@ class PromptLookupDrafter(Drafter):
         if self.adaptive:
             depth = best_chain_depth(self.acceptance(n), depth, self.cost)
             if depth == 0:  # not worth drafting; drift back toward the prior so we try again later
-                succ, fail = self._stats[n]
+                succ, fail = self._stats.get(n, (1.0, 1.0))
                 self._stats[n] = (0.95 * succ + 0.05, 0.95 * fail + 0.05)
                 return root_only(root)
         tokens, parents = [root], [-1]

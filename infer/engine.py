@@ -194,10 +194,10 @@ def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, ge
     emitted = stopper.feed([root])
     stats.new_tokens = len(emitted)
     while True:
+        stats.decode_s = time.perf_counter() - t_dec
+        stats._finish()  # running values, for live displays
         if stopper.reason:
             stats.finish_reason = stopper.reason
-            stats.decode_s = time.perf_counter() - t_dec
-            stats._finish()
             yield Chunk(emitted, stats)
             return
         yield Chunk(emitted, stats)

@@ -26,6 +26,7 @@ class TrainConfig:
     data: str = ""
     prompts: str = ""  # JSONL prompts, or synthetic:N for N generated prompts (tiny verifiers)
     max_prompts: int = 0  # 0 = all
+    shuffle_prompts: bool = True  # seeded shuffle before max_prompts: any prefix mixes the sources
     distill_max_new_tokens: int = 256
     distill_batch_size: int = 8
     distill_temperature: float = 0.0

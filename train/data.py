@@ -25,10 +25,18 @@ class Prompt:
     text: str
 
 
-def load_prompts(spec: str, limit: int = 0, seed: int = 0) -> list[Prompt]:
+def load_prompts(spec: str, limit: int = 0, seed: int = 0, shuffle: bool = False) -> list[Prompt]:
     """Prompts from a JSONL file (``prompt`` or ``turns``; ``id`` if present), a ``datasets``
     dataset (``hf:NAME[:SPLIT]``, column ``prompt``), or ``synthetic:N`` (N short generated
-    prompts, for tiny random verifiers)."""
+    prompts, for tiny random verifiers). ``shuffle`` (seeded) before taking the first ``limit``,
+    so that any prefix is a mix of the sources."""
+    prompts = _load_prompts(spec, seed)
+    if shuffle:
+        random.Random(seed).shuffle(prompts)
+    return prompts[: limit or None]
+
+
+def _load_prompts(spec: str, seed: int) -> list[Prompt]:
     if spec.startswith("synthetic:"):
         rng = random.Random(seed)
         words = ["alpha", "beta", "gamma", "delta", "one", "two", "three", "red", "green", "blue", "cat", "dog"]
@@ -36,18 +44,16 @@ def load_prompts(spec: str, limit: int = 0, seed: int = 0) -> list[Prompt]:
         for i in range(int(spec.split(":", 1)[1])):
             seq = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
             out.append(Prompt(f"synthetic-{i}", f"Repeat: {seq} {seq}"))
-        return out[: limit or None]
+        return out
     if spec.startswith("hf:"):
         import datasets
 
         name, _, split = spec[3:].partition(":")
         ds = datasets.load_dataset(name, split=split or "train")
-        out = [Prompt(str(r.get("id", i)), r["prompt"]) for i, r in enumerate(ds)]
-        return out[: limit or None]
+        return [Prompt(str(r.get("id", i)), r["prompt"]) for i, r in enumerate(ds)]
     rows = [json.loads(line) for line in Path(spec).read_text(encoding="utf-8").splitlines() if line.strip()]
     texts = read_prompts(spec)
-    out = [Prompt(str(r.get("id", i)), p.text) for i, (r, p) in enumerate(zip(rows, texts))]
-    return out[: limit or None]
+    return [Prompt(str(r.get("id", i)), p.text) for i, (r, p) in enumerate(zip(rows, texts))]
 
 
 def _read_done(path: Path) -> set[str]:

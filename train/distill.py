@@ -1,7 +1,7 @@
 """Self-distillation from the command line (``specheads distill`` runs this).
 
     python -m train.distill --verifier default --prompts train/data/train_prompts.jsonl \\
-        --out runs/distilled-default.jsonl --limit 4000 --max-new-tokens 192
+        --out runs/distilled-default.jsonl --shuffle --limit 4000 --max-new-tokens 256
 
 Resumable: run the same command again after a stop and it continues where it left off.
 """
@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shuffle", action="store_true", help="shuffle the prompts (seeded) before --limit")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     from infer.errors import UserError
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
         if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0:
             raise UserError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
         try:
-            prompts = load_prompts(args.prompts, args.limit, args.seed)
+            prompts = load_prompts(args.prompts, args.limit, args.seed, shuffle=args.shuffle)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read prompts {args.prompts}: {e}") from None
         lv = load_verifier(args.verifier, device=args.device)

@@ -126,7 +126,7 @@ def train(cfg: TrainConfig) -> dict:
     data_path = cfg.distilled_path
     if cfg.prompts:
         if accelerator.is_main_process:
-            prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed)
+            prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed, shuffle=cfg.shuffle_prompts)
             distill(model, lv.tokenizer, prompts, data_path, max_new_tokens=cfg.distill_max_new_tokens,
                     batch_size=cfg.distill_batch_size, temperature=cfg.distill_temperature, seed=cfg.seed)
         accelerator.wait_for_everyone()

@@ -1,0 +1,44 @@
+"""Prompt lookup and the cost model that sizes its drafts."""
+
+import torch
+
+from infer.cost import DEFAULT_COST, VerifyCost, best_chain_depth, expected_tokens
+from infer.drafters import PromptLookupDrafter
+from infer.tree import DynamicTreeSpec
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    c = VerifyCost((1, 4, 8), (1.0, 1.6, 2.0))
+    assert c(1) == 1.0 and c(4) == 1.6 and abs(c(6) - 1.8) < 1e-9 and abs(c(12) - 2.4) < 1e-9
+    assert VerifyCost.from_measurement({"relative": {"1": 1.0, "8": 2.0}})(8) == 2.0
+
+
+def test_best_depth_grows_with_acceptance():
+    assert best_chain_depth(0.05, 8, DEFAULT_COST) == 0  # not worth a draft
+    depths = [best_chain_depth(a, 10, DEFAULT_COST) for a in (0.3, 0.6, 0.9, 0.99)]
+    assert depths == sorted(depths) and depths[-1] >= 8
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+
+
+def test_lookup_prefers_full_length_continuations():
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, adaptive=False, tree=DynamicTreeSpec(4, 2, 9))
+    ctx = [5, 6, 7, 8, 9, 1, 5, 6, 7, 8, 2, 5]
+    d.begin(torch.tensor(ctx), None)
+    found = d.continuations(6, depth=4, branches=2)
+    # "5 6" occurs twice; the older match has 4 tokens after it, the newer one too: newest first
+    assert found[0] == (2, [7, 8, 2, 5]) and found[1] == (2, [7, 8, 9, 1])
+    draft = d.propose(6, max_depth=4)
+    assert draft.tokens.tolist() == [6, 7, 8, 2, 5, 9, 1]  # a trie: the shared prefix 7 8 appears once
+    assert draft.tree.parents.tolist() == [-1, 0, 1, 2, 3, 2, 5]
+
+
+def test_adaptive_lookup_stops_drafting_what_is_never_accepted():
+    d = PromptLookupDrafter()
+    d.begin(torch.tensor([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]), None)
+    sizes = []
+    for _ in range(20):  # the verifier rejects every draft: only the root is ever committed
+        draft = d.propose(4, max_depth=8)
+        sizes.append(draft.tree.num_nodes)
+        d.update(draft.tokens[:1], None)
+    assert sizes[0] > 1
+    assert sum(n > 1 for n in sizes[-8:]) <= 1  # it has stopped paying for drafts
