@@ -43,7 +43,7 @@ def read_prompts(path: str | Path, limit: int | None = None, group: dict[str, st
     there. ``limit``: at most that many prompts per category (the first ones)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read prompt file {path}: {e.strerror if isinstance(e, OSError) else e}") from None
     prompts: list[BenchPrompt] = []

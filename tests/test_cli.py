@@ -117,3 +117,13 @@ def test_console_script_exit_code():
     proc = _console("generate", "--verifier", "tiny-random:llama", "--prompt", "x", "--top-p", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("specheads: error: top_p")
+
+
+def test_prompt_files_may_hold_unicode_line_separators(tmp_path):
+    from infer.bench import read_prompts
+    from train.data import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "one\u2028two", "category": "x"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert [p.text for p in read_prompts(f)] == ["one\u2028two"]
+    assert [p.text for p in load_prompts(str(f))] == ["one\u2028two"]

@@ -51,7 +51,7 @@ def _load_prompts(spec: str, seed: int) -> list[Prompt]:
         name, _, split = spec[3:].partition(":")
         ds = datasets.load_dataset(name, split=split or "train")
         return [Prompt(str(r.get("id", i)), r["prompt"]) for i, r in enumerate(ds)]
-    rows = [json.loads(line) for line in Path(spec).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(spec).read_text(encoding="utf-8").split("\n") if line.strip()]
     texts = read_prompts(spec)
     return [Prompt(str(r.get("id", i)), p.text) for i, (r, p) in enumerate(zip(rows, texts))]
 
@@ -66,7 +66,7 @@ def _read_done(path: Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(cut)
         data = data[:cut]
-    return {json.loads(line)["id"] for line in data.decode("utf-8").splitlines() if line.strip()}
+    return {json.loads(line)["id"] for line in data.decode("utf-8").split("\n") if line.strip()}
 
 
 @torch.inference_mode()
@@ -137,7 +137,7 @@ class Record:
 def load_records(path: str | Path, max_seq_len: int) -> list[Record]:
     """Distilled records, truncated to ``max_seq_len``; records without response tokens dropped."""
     out = []
-    for no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for no, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         try:
