@@ -206,3 +206,27 @@ def test_shipped_recipes_parse():
             continue
         assert text.lstrip().startswith("#") and "launch" in text.split("\n\n")[0], f"{path.name}: header must show the launch command"
         load_config(path)
+
+
+def test_feature_cache_and_tensorboard_logging(tmp_path, distilled):
+    online = run(tmp_path, distilled, "online", max_steps=3, **SGD)
+    cached = run(tmp_path, distilled, "cached", max_steps=3, cache_features=True, log_with="tensorboard", **SGD)
+    files = list((tmp_path / "cached" / "features").glob("*.safetensors"))
+    assert len(files) >= 8  # the records seen so far, one file each
+    again = run(tmp_path, distilled, "cached2", max_steps=3, cache_features=True,
+                cache_dir=str(tmp_path / "cached" / "features"), **SGD)  # read back from disk
+    for a, b, c in zip(online["history"], cached["history"], again["history"]):
+        assert abs(a["loss"] - b["loss"]) < 1e-2 * abs(a["loss"])  # float16 storage
+        assert b["loss"] == pytest.approx(c["loss"], rel=1e-5)
+    assert list((tmp_path / "cached").rglob("events.out.tfevents*"))
+
+
+def test_specheads_train_wraps_accelerate_launch(tmp_path, distilled):
+    exe = Path(sys.executable).parent / "specheads"
+    proc = subprocess.run([str(exe), "train", "--config", str(RECIPE), f"data={distilled}", "prompts=",
+                           "max_steps=2", f"output_dir={tmp_path / 'w'}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "w" / "model.safetensors").is_file()
+    bad = subprocess.run([str(exe), "train", "--config", str(RECIPE), "nonsense_key=1"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert bad.returncode != 0 and "unknown config key 'nonsense_key'" in bad.stderr
