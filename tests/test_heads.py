@@ -137,3 +137,36 @@ def test_medusa_has_independent_residual_blocks(llama):
     head = make_head(llama, "medusa")
     blocks = [b for seq in head.blocks for b in seq]
     assert len({id(b.linear.weight) for b in blocks}) == len(blocks) == 6  # Medusa's shared-weights bug avoided
+
+
+def test_hub_roundtrip_without_network(tmp_path, llama, monkeypatch):
+    """push_to_hub uploads the saved folder; from_pretrained(repo_id) reads a Hub snapshot."""
+    import huggingface_hub
+
+    calls = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls["token"] = token
+
+        def create_repo(self, repo_id, private=False, exist_ok=False):
+            calls["repo"] = (repo_id, private, exist_ok)
+            return f"https://hub.example/{repo_id}"
+
+        def upload_folder(self, folder_path, repo_id, commit_message):
+            from pathlib import Path
+
+            calls["files"] = sorted(p.name for p in Path(folder_path).iterdir())
+            (tmp_path / "hub").mkdir()
+            for p in Path(folder_path).iterdir():
+                (tmp_path / "hub" / p.name).write_bytes(p.read_bytes())
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    head = make_head(llama, "eagle3")
+    url = head.push_to_hub("me/tiny-eagle3", token="t0k")
+    assert url.endswith("me/tiny-eagle3") and calls["repo"] == ("me/tiny-eagle3", False, True)
+    assert calls["files"] == ["README.md", "config.json", "model.safetensors"]
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, allow_patterns: str(tmp_path / "hub"))
+    loaded = load_head("me/tiny-eagle3", verifier=llama)
+    with torch.no_grad():
+        torch.testing.assert_close(draft_logits(loaded, llama), draft_logits(head, llama))
