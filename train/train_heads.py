@@ -27,8 +27,8 @@ from torch import nn
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from train.config import ConfigError, TrainConfig, load_config
 from train.data import collate, distill, load_prompts, load_records, response_token_counts, split_records
-from train.features import FeatureCache, compute_features
-from train.losses import eagle1_loss, eagle3_loss, estimated_tau, medusa_loss
+from train.features import FeatureCache, Features, compute_features
+from train.losses import _seq_mean, eagle1_loss, eagle3_loss, estimated_tau, medusa_loss
 
 
 class Joint(nn.Module):
@@ -49,11 +49,16 @@ class Joint(nn.Module):
         return self.verifier if hasattr(self, "verifier") else self._frozen[0]
 
     def forward(self, feats, batch):
+        """``feats``: the frozen verifier's features, or None for Medusa-2, whose features come
+        from the adapted verifier here, with gradients flowing into its LoRA adapters."""
         verifier = self.frozen_or_adapted_verifier
-        loss, metrics = loss_fn(self.cfg, self.head, verifier, feats, batch)
-        if self.cfg.head_type == "medusa2":
-            loss = loss + self.cfg.medusa2_kl_weight * medusa2_kl(verifier, batch)
-        return loss, metrics
+        if feats is not None:
+            return loss_fn(self.cfg, self.head, verifier, feats, batch)
+        out = verifier(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+        loss, metrics = loss_fn(self.cfg, self.head, verifier, Features(last=out.hidden_states[-1], aux=None), batch)
+        kl = medusa2_kl(verifier, batch, out.logits)
+        metrics["kl"] = kl.detach()
+        return loss + self.cfg.medusa2_kl_weight * kl, metrics
 
 
 def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
@@ -81,14 +86,12 @@ def loss_fn(cfg: TrainConfig, head, verifier, feats, batch):
     return eagle3_loss(head, verifier, feats, batch.input_ids, batch.loss_mask, cfg.ttt_steps, cfg.ttt_decay)
 
 
-def medusa2_kl(verifier, batch) -> torch.Tensor:
+def medusa2_kl(verifier, batch, adapted_logits: torch.Tensor) -> torch.Tensor:
     """KL(adapter-free verifier || adapted verifier) on response tokens: keeps the adapted
     verifier's distribution close to the original (Medusa-2's self-distillation term)."""
-    from train.losses import _seq_mean
-
     with torch.no_grad(), verifier.disable_adapter():
         base = verifier(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
-    adapted = verifier(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    adapted = adapted_logits.float()
     kl = (torch.softmax(base, -1) * (torch.log_softmax(base, -1) - torch.log_softmax(adapted, -1))).sum(-1)
     return _seq_mean(kl, batch.loss_mask.bool())
 
@@ -189,9 +192,11 @@ def train(cfg: TrainConfig) -> dict:
         return orders[epoch]
 
     def features_for(batch):
-        if cache is not None and cfg.head_type != "medusa2":
+        if cfg.head_type == "medusa2":
+            return None  # computed inside the forward, through the adapters
+        if cache is not None:
             return cache.get(model, batch, aux_layers)
-        return compute_features(verifier, batch, aux_layers)
+        return compute_features(model, batch, aux_layers)
 
     def evaluate() -> dict:
         if not eval_idx:
@@ -202,7 +207,7 @@ def train(cfg: TrainConfig) -> dict:
         with torch.no_grad():
             for k in range(0, min(len(eval_idx), cfg.eval_batches * per_rank), per_rank):
                 batch = collate(records, eval_idx[k : k + per_rank]).to(accelerator.device)
-                loss, metrics = loss_fn(cfg, head, verifier, features_for(batch), batch)
+                loss, metrics = unwrapped(features_for(batch), batch)
                 for key, v in {"loss": loss, **metrics}.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
                 n += 1
@@ -256,7 +261,11 @@ def train(cfg: TrainConfig) -> dict:
             return {"step": step, "interrupted": True, "history": history, "head": head, "verifier": verifier}
 
     accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(joint)  # collective: gathers ZeRO-3 partitions
     if accelerator.is_main_process:
+        final = build_head(head.config)  # a plain CPU copy of the trained weights
+        final.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
+        head = final
         facts = {
             "data": str(cfg.prompts or data_path), "records": len(records), "steps": step,
             "tokens": int(sum(sum(r.loss_mask) for r in records)), "wall_time_s": round(time.time() - t_start),
