@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a draft head: accelerate launch train/train_heads.py --config RECIPE [key=value ...]")
     t.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     t.add_argument("--accelerate-config", default=None, help="accelerate config (default: one CPU process)")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     pu = sub.add_parser("push", help="upload a trained head directory to the Hugging Face Hub")
     pu.add_argument("directory")
@@ -261,7 +262,8 @@ def cmd_train(args) -> int:
     if accelerate is None:
         raise UserError("accelerate is not installed: pip install accelerate")
     launch = ["--config_file", args.accelerate_config] if args.accelerate_config else ["--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    return _run([accelerate, "launch", *launch, "-m", "train.train_heads", "--config", args.config, *args.overrides])
+    resume = ["--resume"] if args.resume else []
+    return _run([accelerate, "launch", *launch, "-m", "train.train_heads", "--config", args.config, *resume, *args.overrides])
 
 
 def cmd_push(args) -> int:

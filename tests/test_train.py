@@ -108,7 +108,12 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, distilled):
     first = run(tmp_path, distilled, "killed", max_steps=8, save_every=4, interrupt_after=5)
     assert first["interrupted"] and (tmp_path / "killed" / "checkpoints" / "step_4").is_dir()
     assert not (tmp_path / "killed" / "model.safetensors").exists()
-    second = run(tmp_path, distilled, "killed", max_steps=8, save_every=4, resume=True)
+    from train.train_heads import main
+
+    assert main(["--config", str(RECIPE), "--resume", f"data={distilled}", "prompts=", f"output_dir={tmp_path / 'killed'}",
+                 "max_steps=8", "save_every=4", "eval_every=100", "warmup_steps=1"]) == 0
+    second = json.loads((tmp_path / "killed" / "train_history.json").read_text())
+    second = {"history": second}
     assert second["history"][0]["step"] == 5  # continued from the step-4 checkpoint
     a, b = head_state(tmp_path / "full"), head_state(tmp_path / "killed")
     for k in a:

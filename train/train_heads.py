@@ -283,12 +283,13 @@ def train(cfg: TrainConfig) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="train_heads.py", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="YAML recipe (configs/*.yaml)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (= resume=true)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     args = parser.parse_args(argv)
     from infer.errors import UserError
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, [*args.overrides, *(["resume=true"] if args.resume else [])])
         train(cfg)
     except (ConfigError, UserError) as e:
         print(f"train_heads: error: {e}", file=sys.stderr)
