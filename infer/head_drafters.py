@@ -88,9 +88,10 @@ class EagleDrafter(Drafter):
 
     def _run(self, feats, tokens, positions, allowed) -> torch.Tensor:
         """Run the head on ``k`` pairs; ``allowed [k, S]`` bool over cache + new -> hidden ``[k, h]``."""
-        embeds = self.embed(tokens.to(self.embed.weight.device)).to(self.dtype)
-        mask = _float_mask(allowed[None], self.dtype)
-        out = self.head(feats[None], embeds[None], positions[None], mask, self.cache)
+        dev = self.embed.weight.device
+        embeds = self.embed(tokens.to(dev)).to(self.dtype)
+        mask = _float_mask(allowed[None].to(dev), self.dtype)
+        out = self.head(feats[None].to(dev), embeds[None], positions[None].to(dev), mask, self.cache)
         return out[0]
 
     def _extend(self, feats, tokens) -> None:
