@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="PNG of speedup, tau and accepted lengths")
     b.add_argument("--verify-cost", action="store_true", help="also measure the verify-cost curve")
 
+    ch = sub.add_parser("chat", help="interactive chat with streamed replies and a tau / tokens-per-second status line")
+    _add_common(ch)
+    ch.add_argument("--system", default=None, help="system prompt")
+    ch.add_argument("--temperature", type=float, default=0.0)
+    ch.add_argument("--top-p", type=float, default=1.0)
+    ch.add_argument("--top-k", type=int, default=0)
+    ch.add_argument("--seed", type=int, default=None)
+
     d = sub.add_parser("distill", help="self-distil a verifier on prompts (runs train/distill.py)", add_help=False)
     d.add_argument("args", nargs=argparse.REMAINDER)
     t = sub.add_parser("train", help="train a draft head: accelerate launch train/train_heads.py --config RECIPE [key=value ...]")
@@ -221,6 +229,19 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def cmd_chat(args) -> int:
+    from .chat import ChatSession, run_chat
+    from .engine import _check_params
+
+    _check_params(args.max_new_tokens, args.temperature, args.top_p, args.top_k, "exact")
+    tree = _tree(args)
+    lv = _load(args)
+    drafter = make_drafter(args.draft, tree, lv.model)
+    gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+               top_k=args.top_k, seed=args.seed, tree=tree)
+    return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen))
+
+
 def cmd_cost(args) -> int:
     from .bench import measure_verify_cost
 
@@ -284,7 +305,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["distill"]:  # its options belong to train/distill.py
         return cmd_distill(argv[1:])
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost, "train": cmd_train, "push": cmd_push}
+    commands = {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost, "chat": cmd_chat, "train": cmd_train,
+                "push": cmd_push}
     try:
         return commands[args.command](args)
     except UserError as e:

@@ -127,3 +127,38 @@ def test_prompt_files_may_hold_unicode_line_separators(tmp_path):
     f.write_text(json.dumps({"prompt": "one\u2028two", "category": "x"}, ensure_ascii=False) + "\n", encoding="utf-8")
     assert [p.text for p in read_prompts(f)] == ["one\u2028two"]
     assert [p.text for p in load_prompts(str(f))] == ["one\u2028two"]
+
+
+def test_chat_streams_replies_with_a_status_line():
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "specheads"), "chat", "--verifier",
+                           "tiny-random:llama", "--max-new-tokens", "8"], input="hello\n/reset\nagain\n/exit\n",
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert proc.stdout.count("assistant> ") == 2
+    assert proc.stderr.count("[tau ") == 2 and "tokens/s" in proc.stderr and "[new conversation]" in proc.stderr
+
+
+def test_ctrl_c_stops_a_reply_not_the_chat(capsys):
+    from infer.chat import ChatSession
+    from infer.drafters import NoDrafter, root_only
+    from infer.models import load_verifier
+
+    class Interrupting(NoDrafter):
+        calls = 0
+
+        def propose(self, root, **kw):
+            self.calls += 1
+            if self.calls == 3:
+                raise KeyboardInterrupt
+            return root_only(root)
+
+    lv = load_verifier("tiny-random:llama")
+    session = ChatSession(lv.model, lv.tokenizer, Interrupting(), gen_kwargs={"max_new_tokens": 50})
+    session.reset()
+    status = session.reply("hi")
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("[stopped]") and "3 tokens" in status  # prefill token + 2 steps
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    session.drafter = NoDrafter()
+    assert session.reply("go on").startswith("[tau ")  # the session goes on
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]

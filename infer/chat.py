@@ -1,0 +1,106 @@
+"""``specheads chat``: an interactive terminal chat on any verifier + drafter.
+
+Replies stream as they are accepted; after each reply a status line shows its tau and speed.
+Ctrl-C stops the current reply (what was generated stays in the conversation); Ctrl-D or
+``/exit`` leaves; ``/reset`` starts a new conversation.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import stream
+from .errors import UserError
+from .text import eos_ids
+
+HELP = "commands: /reset (new conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
+
+
+@dataclass
+class ChatSession:
+    """The conversation so far and how each reply is generated."""
+
+    model: object
+    tokenizer: object
+    drafter: object
+    system: str | None = None
+    gen_kwargs: dict = field(default_factory=dict)
+    messages: list[dict] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def encode(self) -> torch.Tensor:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise UserError("this verifier's tokenizer has no chat template: chat needs one")
+        ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return torch.tensor(ids["input_ids"], dtype=torch.long)
+
+    def reply(self, user_text: str, out=None) -> str:
+        """Generate the assistant's answer to ``user_text``, streaming it to ``out``; returns the
+        status line. A KeyboardInterrupt stops the reply early and keeps what was said."""
+        out = out or sys.stdout
+        self.messages.append({"role": "user", "content": user_text})
+        tokens: list[int] = []
+        printed = ""
+        stats = None
+        stopped = False
+        chunks = stream(self.model, self.drafter, self.encode(), tokenizer=self.tokenizer,
+                        eos_token_id=eos_ids(self.model, self.tokenizer), **self.gen_kwargs)
+        try:
+            for chunk in chunks:
+                tokens.extend(chunk.token_ids)
+                stats = chunk.stats
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):
+                    out.write(text[len(printed):])
+                    out.flush()
+                    printed = text
+        except KeyboardInterrupt:
+            stopped = True
+            chunks.close()
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        out.write(text[len(printed):] + ("  [stopped]" if stopped else "") + "\n")
+        self.messages.append({"role": "assistant", "content": text})
+        if stats is None:
+            return "[no tokens]"
+        return (f"[tau {stats.mean_accepted:.2f} | {stats.tokens_per_s:.1f} tokens/s | {stats.new_tokens} tokens | "
+                f"{stats.verify_steps} verify steps]")
+
+
+def run_chat(session: ChatSession, inp=None, out=None, err=None) -> int:
+    """The read-eval loop (standard streams by default). Returns the exit status."""
+    inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    session.reset()
+    print(HELP, file=err)
+    interactive = inp.isatty()
+    while True:
+        try:
+            if interactive:
+                line = input("you> ")
+            else:
+                line = inp.readline()
+                if not line:
+                    break
+                line = line.rstrip("\n")
+        except EOFError:
+            break
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, not an exit
+            print(file=out)
+            continue
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit"):
+            break
+        if cmd == "/reset":
+            session.reset()
+            print("[new conversation]", file=err)
+            continue
+        out.write("assistant> ")
+        status = session.reply(cmd, out)
+        print(status, file=err)
+    return 0
