@@ -22,6 +22,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', a model directory or a Hub id")
     p.add_argument("--draft", default="pld", help="'pld' (prompt lookup), 'none' (plain decoding through the engine), or a draft-head checkpoint directory / Hub id")
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
+    p.add_argument("--tree-budget", choices=("auto", "fixed"), default="auto",
+                   help="auto: measure the verify-cost curve at load; trained heads size each dynamic tree for the most tokens per second and prompt lookup sizes its drafts by it. fixed: heads always use the tree's num_nodes, prompt lookup the built-in curve")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
@@ -85,21 +87,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_drafter(name: str, tree, model):
-    """``pld``, ``none``, or a draft-head checkpoint (directory or Hub id) for ``model``."""
+def make_drafter(name: str, tree, model, budget: str = "auto"):
+    """``pld``, ``none``, or a draft-head checkpoint (directory or Hub id) for ``model``. With
+    ``budget="auto"`` the verifier's cost curve is measured (a second or two) and drafts are sized
+    by it."""
     from pathlib import Path
 
     from .drafters import NoDrafter, PromptLookupDrafter
 
-    if name == "pld":
-        return PromptLookupDrafter(tree=tree)
     if name == "none":
         return NoDrafter()
-    if Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists()):
-        from .head_drafters import load_head_drafter
+    is_head = Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists())
+    if name != "pld" and not is_head:
+        raise UserError(f"unknown draft {name!r}: use pld, none, or a draft-head checkpoint directory or Hub id")
+    cost = None
+    if budget == "auto":
+        from .bench import measure_verify_cost
+        from .cost import VerifyCost
 
-        return load_head_drafter(name, model, tree)
-    raise UserError(f"unknown draft {name!r}: use pld, none, or a draft-head checkpoint directory or Hub id")
+        cost = VerifyCost.from_measurement(measure_verify_cost(model, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3))
+    if name == "pld":
+        return PromptLookupDrafter(tree=tree) if cost is None else PromptLookupDrafter(tree=tree, cost=cost)
+    from .head_drafters import load_head_drafter
+
+    return load_head_drafter(name, model, tree, cost)
 
 
 def _tree(args):
@@ -120,7 +131,7 @@ def cmd_generate(args) -> int:
 
     tree = _tree(args)
     lv = _load(args)
-    drafter = make_drafter(args.draft, tree, lv.model)
+    drafter = make_drafter(args.draft, tree, lv.model, args.tree_budget)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     chunks = stream(
         lv.model, drafter, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -201,7 +212,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit, MT_BENCH_GROUP if args.group_mt_bench else None)
     tree = _tree(args)
     lv = _load(args)
-    drafter = make_drafter(args.draft, tree, lv.model)
+    drafter = make_drafter(args.draft, tree, lv.model, args.tree_budget)
     results = run_bench(lv.model, lv.tokenizer, drafter, prompts, methods=methods,
                         max_new_tokens=args.max_new_tokens, tree=tree, chat=args.chat is not False)
     results["config"] = {
@@ -236,7 +247,7 @@ def cmd_chat(args) -> int:
     _check_params(args.max_new_tokens, args.temperature, args.top_p, args.top_k, "exact")
     tree = _tree(args)
     lv = _load(args)
-    drafter = make_drafter(args.draft, tree, lv.model)
+    drafter = make_drafter(args.draft, tree, lv.model, args.tree_budget)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed, tree=tree)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen))

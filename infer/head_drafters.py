@@ -67,8 +67,9 @@ class EagleDrafter(Drafter):
     tree and appends the accepted tokens with the verifier's true features.
     """
 
-    def __init__(self, head: DraftHead, verifier_model, tree: DynamicTreeSpec | None = None):
+    def __init__(self, head: DraftHead, verifier_model, tree: DynamicTreeSpec | None = None, cost=None):
         self.head = head.eval()
+        self.cost = cost  # a VerifyCost: choose the node budget per step (None: always tree.num_nodes)
         self.eagle3 = isinstance(head, Eagle3Head)
         self.embed = verifier_model.get_input_embeddings()
         self.lm_head = verifier_model.get_output_embeddings()
@@ -150,11 +151,11 @@ class EagleDrafter(Drafter):
             return self._logprobs(out)
 
         t = grow_dynamic_tree(expand, root, spec, max_depth=max_depth, generator=generator,
-                              vocab_map=self.vocab_map, vocab_size=self.vocab_size)
+                              vocab_map=self.vocab_map, vocab_size=self.vocab_size, cost=self.cost)
         return Draft(t.tokens, build_tree(t.parents), t.q)
 
 
-def load_head_drafter(path_or_repo: str, verifier_model, tree=None) -> Drafter:
+def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None) -> Drafter:
     """A drafter for a saved head; refuses a head trained for another verifier.
 
     A Medusa-2 checkpoint carries LoRA adapters for the verifier (``adapter/``): they are merged
@@ -177,4 +178,4 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None) -> Drafter:
     head = head.to(next(verifier_model.parameters()).device)
     if isinstance(head, MedusaHeads):
         return MedusaDrafter(head, verifier_model, tree)
-    return EagleDrafter(head, verifier_model, tree)
+    return EagleDrafter(head, verifier_model, tree, cost)

@@ -13,6 +13,7 @@ presets of both live as JSON files in ``configs/trees/`` and load with :func:`lo
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -251,6 +252,7 @@ def grow_dynamic_tree(
     generator: torch.Generator | None = None,
     vocab_map: torch.Tensor | None = None,
     vocab_size: int | None = None,
+    cost: Callable[[int], float] | None = None,
 ) -> DynamicTree:
     """Grow an EAGLE-2 tree.
 
@@ -267,6 +269,11 @@ def grow_dynamic_tree(
     With a ``generator`` (sampling), children are drawn without replacement from the draft
     distribution (Gumbel-top-k) instead of taken greedily, and each kept node records ``q``: the
     distribution it was drawn from given its earlier siblings, as lossless acceptance needs.
+
+    With ``cost`` (verify time of ``n`` nodes relative to one token, see :mod:`infer.cost`), the
+    node budget is chosen per step, up to ``num_nodes``: the ``n`` best nodes maximising
+    ``(1 + sum of their path probabilities) / cost(n)``, the expected tokens per unit of verify
+    time if the draft's confidences are calibrated (a node is accepted with its path probability).
     """
     depth = spec.depth if max_depth is None else min(spec.depth, max_depth)
     device = None
@@ -323,7 +330,10 @@ def grow_dynamic_tree(
         frontier = new_ids[: spec.top_k]
     # keep the best nodes overall; ties broken by creation order so parents come first
     order = sorted(range(1, len(cand_tok)), key=lambda i: (-cand_key[i], i))
-    keep = set(order[: spec.num_nodes - 1])
+    budget = spec.num_nodes
+    if cost is not None:
+        budget = best_budget([math.exp(cand_score[i]) for i in order[: spec.num_nodes - 1]], cost)
+    keep = set(order[: budget - 1])
     keep = {i for i in keep if _ancestors_kept(i, cand_par, keep)}
     kept = [0] + sorted(keep, key=lambda i: (_depth(i, cand_par), i))
     index = {c: j for j, c in enumerate(kept)}
@@ -337,6 +347,18 @@ def grow_dynamic_tree(
         scores=torch.tensor([cand_score[i] for i in kept]),
         q=qs,
     )
+
+
+def best_budget(path_probs: Sequence[float], cost: Callable[[int], float]) -> int:
+    """Node count (root included) maximising ``(1 + sum(path_probs[:n - 1])) / cost(n)``, for
+    candidates sorted best first."""
+    best_n, best_rate, expected = 1, 1.0 / cost(1), 1.0
+    for n, p in enumerate(path_probs, start=2):
+        expected += p
+        rate = expected / cost(n)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
 
 
 def _ancestors_kept(i: int, parents: list[int], keep: set[int]) -> bool:

@@ -126,3 +126,22 @@ def test_dynamic_tree_always_a_valid_tree(depth, k, n, seed):
     t = grow_dynamic_tree(expand, 0, DynamicTreeSpec(depth, k, n))
     tree = build_tree(t.parents)  # raises if not topological
     assert tree.num_nodes <= n and tree.depth <= depth
+
+
+def test_auto_budget_follows_the_verify_cost():
+    from infer.cost import VerifyCost
+    from infer.tree import best_budget
+
+    flat = VerifyCost((1, 64), (1.0, 1.0))
+    steep = VerifyCost((1, 2, 64), (1.0, 3.0, 100.0))
+    probs = [0.9, 0.8, 0.5, 0.3, 0.1]
+    assert best_budget(probs, flat) == 6  # free nodes: keep all
+    assert best_budget(probs, steep) == 1  # a second node triples the cost: draft nothing
+    assert best_budget([], flat) == 1
+    expand, _ = _fake_expand()
+    spec = DynamicTreeSpec(depth=3, top_k=3, num_nodes=12)
+    assert grow_dynamic_tree(expand, 5, spec, cost=flat).tokens.numel() == 12
+    assert grow_dynamic_tree(expand, 5, spec, cost=steep).tokens.numel() == 1
+    mid = VerifyCost((1, 4, 8, 16), (1.0, 1.55, 1.9, 2.2))
+    n = grow_dynamic_tree(expand, 5, spec, cost=mid).tokens.numel()
+    assert 1 <= n <= 12
