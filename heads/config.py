@@ -92,6 +92,7 @@ class HeadConfig:
     own_lm_head: bool = False
     draft_vocab_size: int = 0
     aux_layers: tuple[int, ...] = ()
+    eagle1_input_norm: bool = True  # False for EAGLE-1 checkpoints whose layer has no input norm
     layer_config: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
 
@@ -103,6 +104,8 @@ class HeadConfig:
                 raise ValueError("eagle3 needs 0 < draft_vocab_size <= the verifier's vocab size")
             if len(self.aux_layers) != 3:
                 raise ValueError("eagle3 fuses exactly three verifier layers (aux_layers)")
+            if list(self.aux_layers) != sorted(self.aux_layers):
+                raise ValueError("aux_layers must be in ascending order (the order fc reads them, as in vLLM/SGLang)")
         if self.head_type == "medusa" and (self.num_heads < 1 or self.num_layers < 1):
             raise ValueError("medusa needs num_heads >= 1 and num_layers >= 1")
 
@@ -136,6 +139,6 @@ class HeadConfig:
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's fused layers: the inputs of decoder layers 2, N // 2 and N - 3 (HF
-    ``hidden_states`` indices), clamped into range for very shallow models."""
+    ``hidden_states`` indices), clamped into range and sorted for very shallow models."""
     n = num_layers
-    return tuple(min(max(i, 0), n) for i in (2, n // 2, n - 3))  # type: ignore[return-value]
+    return tuple(sorted(min(max(i, 0), n) for i in (2, n // 2, n - 3)))  # type: ignore[return-value]

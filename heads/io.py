@@ -107,6 +107,17 @@ def resolve(path_or_repo: str | Path) -> Path:
     raise CheckpointError(f"no draft head at {text!r}: give a checkpoint directory or a Hub repo id")
 
 
+def _foreign(directory: Path) -> bool:
+    """A checkpoint directory written by another tool (no specheads config.json)."""
+    path = directory / CONFIG
+    if not path.is_file():
+        return any(directory.glob("*.safetensors")) or any(directory.glob("*.bin")) or any(directory.glob("*.pt"))
+    try:
+        return json.loads(path.read_text()).get("format") != "specheads"
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
 def read_config(directory: Path) -> HeadConfig:
     try:
         raw = json.loads((directory / CONFIG).read_text())
@@ -122,8 +133,16 @@ def read_config(directory: Path) -> HeadConfig:
 
 def load_head(path_or_repo: str | Path, *, verifier: torch.nn.Module | None = None) -> DraftHead:
     """Load a head saved by :func:`save_head`; with ``verifier``, refuse a head trained for
-    another verifier (:class:`~heads.config.HeadMismatchError`)."""
+    another verifier (:class:`~heads.config.HeadMismatchError`). Checkpoints in other layouts
+    (EAGLE-3 as published, EAGLE-1, Medusa; see :mod:`heads.interop`) are imported for
+    ``verifier``, which they then require."""
     directory = resolve(path_or_repo)
+    if _foreign(directory):
+        from .interop import import_head
+
+        if verifier is None:
+            raise CheckpointError(f"{directory} is not a specheads checkpoint: importing it needs the verifier")
+        return import_head(directory, verifier, name=str(path_or_repo))
     config = read_config(directory)
     if verifier is not None:
         config.verifier.check(VerifierSpec.of(verifier))

@@ -165,6 +165,8 @@ class Eagle1Head(_EagleBase):
         base = _one_layer_model(config.layer_config)
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer = base.layers[0]
+        if not config.eagle1_input_norm:  # the original EAGLE-1 layout drops the first norm
+            self.layer.input_layernorm = nn.Identity()
         self.rotary_emb = base.rotary_emb
         self._kw = self._cache_kw(self.layer)
 

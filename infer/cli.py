@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--private", action="store_true")
     pu.add_argument("--token", default=None)
 
+    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (eagle3, medusa)")
+    ex.add_argument("--draft", required=True, help="a specheads head checkpoint (directory or Hub id)")
+    ex.add_argument("--format", required=True, choices=("eagle3", "medusa"))
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    ex.add_argument("--verifier", default=None, help="needed for Medusa heads that share the verifier's LM head (default: the one recorded in the head)")
+
     c = sub.add_parser("cost", help="time a verify pass over 1..64 tree nodes relative to one token")
     c.add_argument("--verifier", default="default")
     c.add_argument("--nodes", default="1,4,8,16,32,64")
@@ -253,6 +260,30 @@ def cmd_chat(args) -> int:
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen))
 
 
+def cmd_export(args) -> int:
+    import torch
+
+    from heads import CheckpointError, load_head
+    from heads.interop import export_eagle3, export_medusa
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    try:
+        head = load_head(args.draft)
+        if args.format == "eagle3":
+            out = export_eagle3(head, args.out, dtype=dtype)
+        else:
+            verifier = None
+            if head.config.head_type == "medusa" and head.lm_heads is None:
+                from .models import load_verifier
+
+                verifier = load_verifier(args.verifier or head.config.verifier.name).model
+            out = export_medusa(head, args.out, verifier, dtype=dtype)
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    print(out)
+    return 0
+
+
 def cmd_cost(args) -> int:
     from .bench import measure_verify_cost
 
@@ -317,7 +348,7 @@ def main(argv=None) -> int:
         return cmd_distill(argv[1:])
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost, "chat": cmd_chat, "train": cmd_train,
-                "push": cmd_push}
+                "push": cmd_push, "export": cmd_export}
     try:
         return commands[args.command](args)
     except UserError as e:
