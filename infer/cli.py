@@ -1,4 +1,5 @@
-"""The ``specheads`` command line: ``generate``, ``bench`` and ``cost``.
+"""The ``specheads`` command line: ``generate``, ``chat``, ``bench``, ``cost``, ``distill``,
+``train``, ``push`` and ``export``.
 
 Every bad argument or input ends with one line on stderr (``specheads: error: ...``) and exit
 status 2, never a traceback.
