@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import HeadConfig, VerifierSpec, default_aux_layers
-from .io import CheckpointError, _write_atomic
+from .io import CheckpointError, write_atomic
 from .modules import DraftHead, Eagle3Head, MedusaHeads, build_head
 
 log = logging.getLogger(__name__)
@@ -145,8 +145,8 @@ def _write_export(out: str | Path, config: dict, state: dict) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    _write_atomic(out / "model.safetensors", lambda p: save_file(state, p, metadata={"format": "pt"}))
-    _write_atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=1)))
+    write_atomic(out / "model.safetensors", lambda p: save_file(state, p, metadata={"format": "pt"}))
+    write_atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=1)))
     return out
 
 

@@ -62,7 +62,7 @@ def model_card(config: HeadConfig) -> str:
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).content
 
 
-def _write_atomic(path: Path, write) -> None:
+def write_atomic(path: Path, write) -> None:
     """``write(tmp_path)``, then rename over ``path``: readers never see a half-written file."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
@@ -86,9 +86,9 @@ def save_head(head: DraftHead, directory: str | Path, **training) -> Path:
         head.config = config
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    _write_atomic(directory / WEIGHTS, lambda p: save_file(state, p, metadata={"format": "pt"}))
-    _write_atomic(directory / CARD, lambda p: p.write_text(model_card(config)))
-    _write_atomic(directory / CONFIG, lambda p: p.write_text(json.dumps(config.to_dict(), indent=1)))
+    write_atomic(directory / WEIGHTS, lambda p: save_file(state, p, metadata={"format": "pt"}))
+    write_atomic(directory / CARD, lambda p: p.write_text(model_card(config)))
+    write_atomic(directory / CONFIG, lambda p: p.write_text(json.dumps(config.to_dict(), indent=1)))
     return directory
 
 

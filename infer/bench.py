@@ -87,7 +87,7 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def _run_hf(model, ids, max_new_tokens, eos, **kw) -> list[int]:
+def hf_generate(model, ids, max_new_tokens, eos, **kw) -> list[int]:
     out = model.generate(
         ids.view(1, -1).to(model.device),
         attention_mask=torch.ones(1, ids.numel(), dtype=torch.long, device=model.device),
@@ -124,8 +124,8 @@ def run_bench(
     eos = eos_ids(model, tokenizer)
     verifier = Verifier(model)
     runners = {
-        "vanilla": lambda ids: (_run_hf(model, ids, max_new_tokens, eos), None),
-        "hf-pld": lambda ids: (_run_hf(model, ids, max_new_tokens, eos, prompt_lookup_num_tokens=pld_tokens), None),
+        "vanilla": lambda ids: (hf_generate(model, ids, max_new_tokens, eos), None),
+        "hf-pld": lambda ids: (hf_generate(model, ids, max_new_tokens, eos, prompt_lookup_num_tokens=pld_tokens), None),
         "spec": lambda ids: _spec(verifier, drafter, ids, max_new_tokens, eos, tree),
     }
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]

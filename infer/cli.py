@@ -147,9 +147,9 @@ def cmd_generate(args) -> int:
         stop=args.stop, tokenizer=lv.tokenizer, acceptance=args.acceptance,
     )
     if args.compare:  # warm both paths up so that the timings compare steady states
-        from .bench import _run_hf
+        from .bench import hf_generate
 
-        _run_hf(lv.model, ids, 4, eos_ids(lv.model, lv.tokenizer))
+        hf_generate(lv.model, ids, 4, eos_ids(lv.model, lv.tokenizer))
         for _ in stream(lv.model, drafter, ids, max_new_tokens=4):
             pass
     tokens: list[int] = []
@@ -183,11 +183,11 @@ def _compare(lv, ids, tokens, stats, args) -> None:
     """Time HF ``generate`` (greedy) on the same prompt and print the speedup."""
     import time
 
-    from .bench import _run_hf
+    from .bench import hf_generate
     from .text import eos_ids
 
     t0 = time.perf_counter()
-    plain = _run_hf(lv.model, ids, args.max_new_tokens, eos_ids(lv.model, lv.tokenizer))
+    plain = hf_generate(lv.model, ids, args.max_new_tokens, eos_ids(lv.model, lv.tokenizer))
     plain_s = time.perf_counter() - t0
     spec_s = stats.prefill_s + stats.decode_s
     plain_tps, spec_tps = len(plain) / plain_s, len(tokens) / spec_s

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from infer import PromptLookupDrafter, generate
-from infer.bench import _run_hf
+from infer.bench import hf_generate
 from infer.models import load_verifier
 from infer.text import encode_prompt, eos_ids, generate_text
 
@@ -27,7 +27,7 @@ def test_greedy_output_identical_to_hf_generate(default):
     taus = []
     for prompt in PROMPTS:
         ids = encode_prompt(default.tokenizer, prompt)
-        ref = _run_hf(default.model, ids, 48, eos)
+        ref = hf_generate(default.model, ids, 48, eos)
         for drafter in (None, PromptLookupDrafter()):
             res = generate(default.model, drafter, ids, max_new_tokens=48, eos_token_id=eos)
             assert res.token_ids == ref
