@@ -158,7 +158,7 @@ class Verifier:
         start = self.length
         self.length += k
         if not bool((nodes == torch.arange(k)).all()):  # else a prefix of the tree: nothing moves
-            for layer in self._layers():
+            for layer in cache_layers(self.cache):
                 layer.keys[:, :, start : start + k] = layer.keys.index_select(2, src)
                 layer.values[:, :, start : start + k] = layer.values.index_select(2, src)
         self.rollback()
@@ -166,9 +166,6 @@ class Verifier:
     def rollback(self) -> None:
         """Drop whatever the cache holds beyond the committed tokens (an unaccepted tree)."""
         crop_cache(self.cache, self.length)
-
-    def _layers(self):
-        return cache_layers(self.cache)
 
     def _features(self, out) -> torch.Tensor | None:
         if not self.feature_layers:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heads.modules import _float_mask
+from heads.modules import _float_mask, causal_mask
 
 from .features import Features, verifier_logits
 
@@ -76,7 +76,7 @@ def eagle1_loss(head, verifier, feats: Features, input_ids, loss_mask, ce_weight
     b, t, _ = f.shape
     embeds = verifier.get_input_embeddings()(_shift(input_ids, 1)).to(f.dtype)
     pos = torch.arange(t, device=f.device).expand(b, t)
-    mask = _causal(b, t, f.dtype, f.device)
+    mask = causal_mask(t, 0, b, f.dtype, f.device)
     pred = head(f, embeds, pos, mask)
     target = _shift(f, 1)
     valid = _shifted_valid(loss_mask, 1) & _shifted_valid(torch.ones_like(loss_mask), 1)
@@ -88,11 +88,6 @@ def eagle1_loss(head, verifier, feats: Features, input_ids, loss_mask, ce_weight
     loss = _seq_mean(reg, valid) + ce_weight * _seq_mean(ce, valid)
     acc = _seq_mean((q_logits.argmax(-1) == p.argmax(-1)).float(), valid).detach()
     return loss, {"acc_1": acc}
-
-
-def _causal(b: int, t: int, dtype, device) -> torch.Tensor:
-    allowed = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    return _float_mask(allowed.expand(b, t, t), dtype)
 
 
 def eagle3_loss(head, verifier, feats: Features, input_ids, loss_mask, steps: int = 3, decay: float = 0.8):
