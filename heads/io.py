@@ -75,10 +75,11 @@ def write_atomic(path: Path, write) -> None:
         raise
 
 
-def save_head(head: DraftHead, directory: str | Path, **training) -> Path:
+def save_head(head: DraftHead, directory: str | Path, *, dtype: torch.dtype | None = None, **training) -> Path:
     """Save ``head`` (weights, config with ``training`` facts merged in, model card) into
     ``directory`` (created if needed; other files in it are left alone). Each file is written to a
-    temporary name and renamed, weights first and config last."""
+    temporary name and renamed, weights first and config last. ``dtype``: store floating-point
+    weights in it (e.g. ``torch.bfloat16`` halves the file; loading upcasts to float32)."""
     directory = Path(directory)
     config = head.config
     if training:
@@ -86,15 +87,31 @@ def save_head(head: DraftHead, directory: str | Path, **training) -> Path:
         head.config = config
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     write_atomic(directory / WEIGHTS, lambda p: save_file(state, p, metadata={"format": "pt"}))
     write_atomic(directory / CARD, lambda p: p.write_text(model_card(config)))
     write_atomic(directory / CONFIG, lambda p: p.write_text(json.dumps(config.to_dict(), indent=1)))
     return directory
 
 
+#: Heads shipped inside the package (``heads/pretrained/<name>``), addressed by name.
+PRETRAINED_DIR = Path(__file__).parent / "pretrained"
+
+
+def pretrained_names() -> list[str]:
+    """Names of the heads shipped inside the package (``--draft NAME``)."""
+    if not PRETRAINED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in PRETRAINED_DIR.iterdir() if (p / CONFIG).is_file())
+
+
 def resolve(path_or_repo: str | Path) -> Path:
-    """A local checkpoint directory, or a Hub repo id downloaded to the local cache."""
+    """A local checkpoint directory, the name of a head shipped in the package (``default``), or
+    a Hub repo id downloaded to the local cache."""
     p = Path(path_or_repo)
+    if str(path_or_repo) in pretrained_names() and not p.is_dir():
+        return PRETRAINED_DIR / str(path_or_repo)
     if p.is_dir():
         return p
     text = str(path_or_repo)

@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', a model directory or a Hub id")
-    p.add_argument("--draft", default="pld", help="'pld' (prompt lookup), 'none' (plain decoding through the engine), or a draft-head checkpoint directory / Hub id")
+    p.add_argument("--draft", default="pld", help="'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), or a draft-head checkpoint directory / Hub id")
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
     p.add_argument("--tree-budget", choices=("auto", "fixed"), default="auto",
                    help="auto: measure the verify-cost curve at load; trained heads size each dynamic tree for the most tokens per second and prompt lookup sizes its drafts by it. fixed: heads always use the tree's num_nodes, prompt lookup the built-in curve")
@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--private", action="store_true")
     pu.add_argument("--token", default=None)
 
-    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (eagle3, medusa)")
+    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (eagle3, medusa), or as a smaller specheads checkpoint (specheads)")
     ex.add_argument("--draft", required=True, help="a specheads head checkpoint (directory or Hub id)")
-    ex.add_argument("--format", required=True, choices=("eagle3", "medusa"))
+    ex.add_argument("--format", required=True, choices=("eagle3", "medusa", "specheads"))
     ex.add_argument("--out", required=True)
     ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ex.add_argument("--verifier", default=None, help="needed for Medusa heads that share the verifier's LM head (default: the one recorded in the head)")
@@ -96,24 +96,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_drafter(name: str, tree, model, budget: str = "auto"):
-    """``pld``, ``none``, or a draft-head checkpoint (directory or Hub id) for ``model``. With
+    """``pld``, ``none``, the name of a head shipped in the package (``default``), or a draft-head
+    checkpoint (directory or Hub id) for ``model``. With
     ``budget="auto"`` the verifier's cost curve is measured (a second or two) and drafts are sized
     by it."""
     from pathlib import Path
+
+    from heads.io import pretrained_names
 
     from .drafters import NoDrafter, PromptLookupDrafter
 
     if name == "none":
         return NoDrafter()
-    is_head = Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists())
+    shipped = pretrained_names()
+    is_head = name in shipped or Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists())
     if name != "pld" and not is_head:
-        raise UserError(f"unknown draft {name!r}: use pld, none, or a draft-head checkpoint directory or Hub id")
+        names = ", ".join([*shipped, "pld", "none"])
+        raise UserError(f"unknown draft {name!r}: use {names}, or a draft-head checkpoint directory or Hub id")
     cost = None
     if budget == "auto":
         from .bench import measure_verify_cost
         from .cost import VerifyCost
 
         cost = VerifyCost.from_measurement(measure_verify_cost(model, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3))
+        if cost is None:
+            print("specheads: the verify-cost curve is within timing noise; using the fixed tree budget", file=sys.stderr)
     if name == "pld":
         return PromptLookupDrafter(tree=tree) if cost is None else PromptLookupDrafter(tree=tree, cost=cost)
     from .head_drafters import load_head_drafter
@@ -270,7 +277,11 @@ def cmd_export(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     try:
         head = load_head(args.draft)
-        if args.format == "eagle3":
+        if args.format == "specheads":
+            from heads.io import save_head
+
+            out = save_head(head, args.out, dtype=dtype)
+        elif args.format == "eagle3":
             out = export_eagle3(head, args.out, dtype=dtype)
         else:
             verifier = None

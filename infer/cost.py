@@ -34,11 +34,23 @@ class VerifyCost:
         raise AssertionError("unreachable")
 
     @classmethod
-    def from_measurement(cls, measured: dict) -> VerifyCost:
-        """From :func:`infer.bench.measure_verify_cost`'s result."""
+    def from_measurement(cls, measured: dict, min_token_seconds: float = 2e-3) -> VerifyCost | None:
+        """From :func:`infer.bench.measure_verify_cost`'s result, made non-decreasing (a bigger
+        tree never costs less; a dip is timing noise). ``None`` when the measurement cannot be
+        trusted to size trees: one token takes under ``min_token_seconds`` (tiny models, where
+        Python overhead and noise dominate) or the curve never rises above noise (+5%)."""
         rel = {int(n): float(r) for n, r in measured["relative"].items()}  # JSON keys are strings
+        secs = {int(n): float(s) for n, s in measured.get("seconds", {}).items()}
         nodes = sorted(rel)
-        return cls(tuple(nodes), tuple(rel[n] for n in nodes))
+        if secs and secs[nodes[0]] < min_token_seconds:
+            return None
+        values, top = [], 0.0
+        for n in nodes:
+            top = max(top, rel[n])
+            values.append(top)
+        if values[-1] < 1.05 * values[0]:
+            return None
+        return cls(tuple(nodes), tuple(values))
 
 
 #: Measured with `specheads cost` for the default verifier on the 2-core CPU machine (BENCHMARKS.md).

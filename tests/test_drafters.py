@@ -13,6 +13,16 @@ def test_verify_cost_interpolates_and_extrapolates():
     assert VerifyCost.from_measurement({"relative": {"1": 1.0, "8": 2.0}})(8) == 2.0
 
 
+def test_measured_cost_is_made_monotone_or_refused_when_it_is_noise():
+    measured = {"seconds": {"1": 0.03, "4": 0.05, "8": 0.04, "16": 0.07}, "relative": {"1": 1.0, "4": 1.6, "8": 1.3, "16": 2.3}}
+    c = VerifyCost.from_measurement(measured)
+    assert c.relative == (1.0, 1.6, 1.6, 2.3)  # the dip at 8 nodes is noise: never cheaper than 4
+    tiny = {"seconds": {"1": 4e-4, "8": 3e-4}, "relative": {"1": 1.0, "8": 0.75}}
+    assert VerifyCost.from_measurement(tiny) is None  # sub-millisecond: overhead and noise
+    flat = {"seconds": {"1": 0.03, "8": 0.0301, "32": 0.0302}, "relative": {"1": 1.0, "8": 1.003, "32": 1.007}}
+    assert VerifyCost.from_measurement(flat) is None
+
+
 def test_best_depth_grows_with_acceptance():
     assert best_chain_depth(0.05, 8, DEFAULT_COST) == 0  # not worth a draft
     depths = [best_chain_depth(a, 10, DEFAULT_COST) for a in (0.3, 0.6, 0.9, 0.99)]

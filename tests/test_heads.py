@@ -133,6 +133,23 @@ def test_save_is_atomic_and_replaces(tmp_path, llama):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]  # no temp or old directories left
 
 
+def test_bf16_checkpoint_halves_the_file_and_loads_as_float32(tmp_path, llama, capsys):
+    from infer.cli import main
+    from safetensors.torch import load_file
+
+    head = make_head(llama, "eagle3")
+    head.save_pretrained(tmp_path / "fp32")
+    assert main(["export", "--draft", str(tmp_path / "fp32"), "--format", "specheads", "--dtype", "bf16", "--out", str(tmp_path / "bf16")]) == 0
+    big, small = (tmp_path / d / "model.safetensors" for d in ("fp32", "bf16"))
+    assert small.stat().st_size < 0.6 * big.stat().st_size
+    stored = load_file(str(small))
+    assert stored["fc.weight"].dtype == torch.bfloat16 and stored["d2t"].dtype == torch.long  # ints untouched
+    loaded = load_head(tmp_path / "bf16", verifier=llama)
+    assert loaded.fc.weight.dtype == torch.float32
+    torch.testing.assert_close(loaded.fc.weight, head.fc.weight.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert torch.equal(loaded.t2d, head.t2d)
+
+
 def test_medusa_has_independent_residual_blocks(llama):
     head = make_head(llama, "medusa")
     blocks = [b for seq in head.blocks for b in seq]

@@ -23,10 +23,16 @@ class Features:
     aux: torch.Tensor | None  # [B, T, 3, h]
 
 
-def verifier_logits(model, last: torch.Tensor) -> torch.Tensor:
-    """The verifier's logits from its final hidden states ``[..., h]`` (with the final logit
-    soft-capping of models whose config has one)."""
-    logits = model.get_output_embeddings()(last.to(model.get_output_embeddings().weight.dtype))
+def verifier_logits(model, last: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The verifier's logits from its final hidden states ``[..., h]`` -> ``[..., V]`` (with the
+    final logit soft-capping of models whose config has one). ``rows`` ``[Vd]``: only those
+    vocabulary entries, ``[..., Vd]`` (a fraction of the full projection's cost)."""
+    lm_head = model.get_output_embeddings()
+    if rows is None:
+        logits = lm_head(last.to(lm_head.weight.dtype))
+    else:
+        bias = lm_head.bias[rows] if getattr(lm_head, "bias", None) is not None else None
+        logits = torch.nn.functional.linear(last.to(lm_head.weight.dtype), lm_head.weight[rows], bias)
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
