@@ -4,7 +4,10 @@ verifier's verify-cost curve.
 All methods run in one process on the same prompts, one after another for each prompt (so that
 drift on a noisy machine hits them alike), after a warm-up. Results are per method and per
 category: tokens/s, tau, speedup over vanilla and, for speculative methods, how many outputs are
-identical to vanilla.
+identical to vanilla. With several drafters, ``spec`` expands to one method per drafter
+(``spec:<label>``). With a measured verify-cost curve, speculative methods also get their ideal
+speedup (tau x T(1 token) / T(tree used), averaged over the verify steps) and the achieved share
+of it (``efficiency``).
 """
 
 from __future__ import annotations
@@ -92,10 +95,9 @@ def hf_generate(model, ids, max_new_tokens, eos, **kw) -> list[int]:
         ids.view(1, -1).to(model.device),
         attention_mask=torch.ones(1, ids.numel(), dtype=torch.long, device=model.device),
         max_new_tokens=max_new_tokens,
-        do_sample=False,
         eos_token_id=eos or None,
         pad_token_id=eos[0] if eos else 0,
-        **kw,
+        **{"do_sample": False, **kw},
     )
     return out[0, ids.numel() :].tolist()
 
@@ -112,8 +114,14 @@ def run_bench(
     chat: bool = True,
     pld_tokens: int = 10,
     progress: bool = True,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> dict:
-    """Run the benchmark and return the results dict (see the module docstring)."""
+    """Run the benchmark and return the results dict (see the module docstring).
+
+    ``drafter``: one drafter (method ``spec``) or ``{label: drafter}`` (methods ``spec:<label>``).
+    ``temperature > 0`` samples (vanilla: HF ``generate(do_sample=True)``; every prompt and method
+    is seeded with ``seed``); outputs then differ from vanilla by design and are not compared."""
     from tqdm.auto import tqdm
 
     from .text import encode_prompt, eos_ids
@@ -121,13 +129,31 @@ def run_bench(
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise UserError(f"unknown bench methods {sorted(unknown)}: choose from {', '.join(METHODS)}")
+    if temperature > 0 and "hf-pld" in methods:
+        raise UserError("hf-pld is greedy only here: drop it from --methods when sampling")
     eos = eos_ids(model, tokenizer)
     verifier = Verifier(model)
+    drafters = drafter if isinstance(drafter, dict) else {"": drafter}
+    sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
+
+    def vanilla(ids):
+        torch.manual_seed(seed)
+        return hf_generate(model, ids, max_new_tokens, eos, **sample), None
+
     runners = {
-        "vanilla": lambda ids: (hf_generate(model, ids, max_new_tokens, eos), None),
+        "vanilla": vanilla,
         "hf-pld": lambda ids: (hf_generate(model, ids, max_new_tokens, eos, prompt_lookup_num_tokens=pld_tokens), None),
-        "spec": lambda ids: _spec(verifier, drafter, ids, max_new_tokens, eos, tree),
     }
+    expanded = []
+    for m in methods:
+        if m != "spec":
+            expanded.append(m)
+            continue
+        for label, d in drafters.items():
+            name = f"spec:{label}" if len(drafters) > 1 else "spec"
+            runners[name] = lambda ids, d=d: _spec(verifier, d, ids, max_new_tokens, eos, tree, temperature, seed)
+            expanded.append(name)
+    methods = tuple(expanded)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
     for m in methods:  # warm-up
         runners[m](encoded[0][:32])
@@ -144,29 +170,63 @@ def run_bench(
                 row[m] = {"tokens": tokens, "seconds": seconds, "passes": counter.calls - calls}
                 if stats is not None:
                     row[m]["accepted_hist"] = stats.accepted_hist
+                    row[m]["nodes_hist"] = stats.nodes_hist
             rows.append(row)
     finally:
         counter.close()
-    return {"methods": summarize(rows, methods), "per_prompt": rows}
+    return {"methods": summarize(rows, methods, compare=temperature == 0), "per_prompt": rows}
 
 
-def _spec(verifier, drafter, ids, max_new_tokens, eos, tree):
-    res = generate(verifier, drafter, ids, max_new_tokens=max_new_tokens, eos_token_id=eos, tree=tree)
+def _spec(verifier, drafter, ids, max_new_tokens, eos, tree, temperature=0.0, seed=0):
+    res = generate(verifier, drafter, ids, max_new_tokens=max_new_tokens, eos_token_id=eos, tree=tree,
+                   temperature=temperature, seed=seed)
     return res.token_ids, res.stats
 
 
-def summarize(rows: list[dict], methods) -> dict:
+def _merged(rows: list[dict], m: str, key: str) -> list[int]:
+    """Element-wise sum of the per-prompt histograms ``row[m][key]``."""
+    hist: list[int] = []
+    for r in rows:
+        for k, v in enumerate(r[m].get(key, [])):
+            hist.extend([0] * (k + 1 - len(hist)))
+            hist[k] += v
+    return hist
+
+
+def add_efficiency(results: dict, verify_cost: dict) -> None:
+    """Per speculative method (overall and per category): ``ideal_speedup`` = tokens over the
+    verify passes' summed cost in single-token passes (from the measured curve, interpolated),
+    and ``efficiency`` = achieved ``speedup`` / ``ideal_speedup``."""
+    from .cost import VerifyCost
+
+    rel = {int(n): float(r) for n, r in verify_cost["relative"].items()}
+    nodes = sorted(rel)
+    curve = VerifyCost(tuple(nodes), tuple(rel[n] for n in nodes))
+    rows = results["per_prompt"]
+    for m, res in results["methods"].items():
+        if not rows or "nodes_hist" not in rows[0].get(m, {}):
+            continue
+        groups = [(res["overall"], rows)] + [(v, [r for r in rows if r["category"] == c]) for c, v in res["categories"].items()]
+        for agg, sub in groups:
+            hist = _merged(sub, m, "nodes_hist")
+            passes = sum(n_steps * curve(n) for n, n_steps in enumerate(hist) if n_steps)
+            # the first token of each generation comes from the prefill, as in vanilla
+            tokens = sum(len(r[m]["tokens"]) - 1 for r in sub)
+            agg["mean_tree_nodes"] = sum(n * k for n, k in enumerate(hist)) / max(1, sum(hist))
+            agg["ideal_speedup"] = tokens / passes if passes else None
+            if agg.get("speedup") and agg["ideal_speedup"]:
+                agg["efficiency"] = agg["speedup"] / agg["ideal_speedup"]
+
+
+def summarize(rows: list[dict], methods, compare: bool = True) -> dict:
     """Per method: ``overall`` and ``categories``, each with tokens, seconds, tokens_per_s, tau,
-    speedup (tokens/s over vanilla's) and identical (outputs equal to vanilla's, of n)."""
+    speedup (tokens/s over vanilla's) and, when ``compare``, identical (outputs equal to
+    vanilla's, of n)."""
     cats = sorted({r["category"] for r in rows})
     out: dict = {}
     for m in methods:
-        out[m] = {"overall": _agg(rows, m), "categories": {c: _agg([r for r in rows if r["category"] == c], m) for c in cats}}
-        hist: list[int] = []
-        for r in rows:
-            for k, v in enumerate(r[m].get("accepted_hist", [])):
-                hist.extend([0] * (k + 1 - len(hist)))
-                hist[k] += v
+        out[m] = {"overall": _agg(rows, m, compare), "categories": {c: _agg([r for r in rows if r["category"] == c], m, compare) for c in cats}}
+        hist = _merged(rows, m, "accepted_hist")
         if hist:
             out[m]["accepted_hist"] = hist
     if "vanilla" in methods:
@@ -179,7 +239,7 @@ def summarize(rows: list[dict], methods) -> dict:
     return out
 
 
-def _agg(rows: list[dict], m: str) -> dict:
+def _agg(rows: list[dict], m: str, compare: bool = True) -> dict:
     tokens = sum(len(r[m]["tokens"]) for r in rows)
     seconds = sum(r[m]["seconds"] for r in rows)
     passes = sum(r[m]["passes"] for r in rows)
@@ -191,7 +251,7 @@ def _agg(rows: list[dict], m: str) -> dict:
         # passes after the prefill: each generation's first pass is its prompt
         "tau": tokens / max(1, passes - len(rows)),
     }
-    if m != "vanilla" and rows and "vanilla" in rows[0]:
+    if compare and m != "vanilla" and rows and "vanilla" in rows[0]:
         res["identical"] = sum(r[m]["tokens"] == r["vanilla"]["tokens"] for r in rows)
     return res
 

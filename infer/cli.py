@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="vanilla,hf-pld,spec")
     b.add_argument("--out", required=True, help="results JSON")
     b.add_argument("--plot", default=None, help="PNG of speedup, tau and accepted lengths")
-    b.add_argument("--verify-cost", action="store_true", help="also measure the verify-cost curve")
+    b.add_argument("--verify-cost", action="store_true", help="also measure the verify-cost curve, and each speculative method's ideal speedup and efficiency")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (outputs are then not compared)")
+    b.add_argument("--seed", type=int, default=0, help="seed of every sampled generation")
 
     ch = sub.add_parser("chat", help="interactive chat with streamed replies and a tau / tokens-per-second status line")
     _add_common(ch)
@@ -120,7 +122,9 @@ def make_drafter(name: str, tree, model, budget: str = "auto"):
 
         cost = VerifyCost.from_measurement(measure_verify_cost(model, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3))
         if cost is None:
-            print("specheads: the verify-cost curve is within timing noise; using the fixed tree budget", file=sys.stderr)
+            import logging
+
+            logging.getLogger("specheads").info("the verify-cost curve is within timing noise: using the fixed tree budget")
     if name == "pld":
         return PromptLookupDrafter(tree=tree) if cost is None else PromptLookupDrafter(tree=tree, cost=cost)
     from .head_drafters import load_head_drafter
@@ -209,8 +213,11 @@ def _compare(lv, ids, tokens, stats, args) -> None:
 
 
 def cmd_bench(args) -> int:
+    from pathlib import Path
+
     from .bench import (
         MT_BENCH_GROUP,
+        add_efficiency,
         environment,
         measure_verify_cost,
         plot_results,
@@ -226,17 +233,24 @@ def cmd_bench(args) -> int:
         raise UserError("--max-new-tokens must be >= 1")
     prompts = read_prompts(args.prompts, args.limit, MT_BENCH_GROUP if args.group_mt_bench else None)
     tree = _tree(args)
+    if args.temperature < 0:
+        raise UserError("--temperature must be >= 0")
     lv = _load(args)
-    drafter = make_drafter(args.draft, tree, lv.model, args.tree_budget)
-    results = run_bench(lv.model, lv.tokenizer, drafter, prompts, methods=methods,
-                        max_new_tokens=args.max_new_tokens, tree=tree, chat=args.chat is not False)
+    names = [d.strip() for d in args.draft.split(",") if d.strip()]
+    drafters = {Path(d).name or d: make_drafter(d, tree, lv.model, args.tree_budget) for d in names}
+    if len(drafters) != len(names):
+        raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component)")
+    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods,
+                        max_new_tokens=args.max_new_tokens, tree=tree, chat=args.chat is not False,
+                        temperature=args.temperature, seed=args.seed)
     results["config"] = {
         "command": "specheads " + " ".join(sys.argv[1:]), "verifier": args.verifier, "draft": args.draft,
-        "tree": args.tree, "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-        "n_prompts": len(prompts), **environment(),
+        "tree": args.tree, "tree_budget": args.tree_budget, "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "n_prompts": len(prompts), **environment(),
     }
     if args.verify_cost:
         results["verify_cost"] = measure_verify_cost(lv.model)
+        add_efficiency(results, results["verify_cost"])
     write_json(results, args.out)
     if args.plot:
         plot_results(results, args.plot)
@@ -246,12 +260,15 @@ def cmd_bench(args) -> int:
 
 def format_table(results: dict) -> str:
     """A plain-text table of the overall and per-category numbers."""
-    lines = [f"{'method':10} {'category':16} {'n':>4} {'tok/s':>8} {'tau':>6} {'speedup':>8} {'identical':>10}"]
+    width = max(10, *(len(m) for m in results["methods"]))
+    lines = [f"{'method':{width}} {'category':16} {'n':>4} {'tok/s':>8} {'tau':>6} {'speedup':>8} {'identical':>10} {'ideal':>7} {'effic.':>7}"]
     for m, r in results["methods"].items():
         for cat, v in [("overall", r["overall"]), *r["categories"].items()]:
             ident = f"{v['identical']}/{v['n']}" if "identical" in v else ""
             sp = f"{v['speedup']:.2f}x" if v.get("speedup") else ""
-            lines.append(f"{m:10} {cat:16} {v['n']:>4} {v['tokens_per_s']:8.1f} {v['tau']:6.2f} {sp:>8} {ident:>10}")
+            ideal = f"{v['ideal_speedup']:.2f}x" if v.get("ideal_speedup") else ""
+            eff = f"{v['efficiency']:.2f}" if v.get("efficiency") else ""
+            lines.append(f"{m:{width}} {cat:16} {v['n']:>4} {v['tokens_per_s']:8.1f} {v['tau']:6.2f} {sp:>8} {ident:>10} {ideal:>7} {eff:>7}")
     return "\n".join(lines)
 
 

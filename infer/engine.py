@@ -36,6 +36,7 @@ class GenerationStats:
     mean_accepted: float = 0.0
     accepted_hist: list[int] = field(default_factory=list)
     tree_nodes: int = 0  # summed over verify steps
+    nodes_hist: list[int] = field(default_factory=list)  # [n]: verify steps over n tree nodes
     prefill_s: float = 0.0
     decode_s: float = 0.0
     draft_s: float = 0.0
@@ -226,6 +227,9 @@ def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, ge
         stats.verify_s += t3 - t2
         stats.verify_steps += 1
         stats.tree_nodes += draft.tree.num_nodes
+        if len(stats.nodes_hist) <= draft.tree.num_nodes:
+            stats.nodes_hist.extend([0] * (draft.tree.num_nodes + 1 - len(stats.nodes_hist)))
+        stats.nodes_hist[draft.tree.num_nodes] += 1
         stats.new_tokens += len(emitted)
         if len(stats.accepted_hist) <= len(chunk):
             stats.accepted_hist.extend([0] * (len(chunk) + 1 - len(stats.accepted_hist)))

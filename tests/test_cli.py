@@ -162,3 +162,35 @@ def test_ctrl_c_stops_a_reply_not_the_chat(capsys):
     session.drafter = NoDrafter()
     assert session.reply("go on").startswith("[tau ")  # the session goes on
     assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_bench_compares_several_drafts_and_reports_efficiency(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p, "category": c}) for p, c in
+                           [("count: 1 2 3 1 2 3 1 2", "a"), ("say hi hi hi hi", "b")]) + "\n")
+    out = tmp_path / "r.json"
+    code, stdout, _ = run(["bench", *TINY, "--prompts", str(f), "--max-new-tokens", "12", "--draft", "pld,none",
+                           "--methods", "vanilla,spec", "--verify-cost", "--tree-budget", "fixed", "--out", str(out)], capsys)
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert set(res["methods"]) == {"vanilla", "spec:pld", "spec:none"}
+    plain = res["methods"]["spec:none"]["overall"]
+    assert plain["identical"] == 2 and plain["tau"] == pytest.approx(1.0, abs=0.1) and plain["mean_tree_nodes"] == 1.0
+    assert plain["ideal_speedup"] == pytest.approx(1.0)  # one node per pass: nothing to gain
+    pld = res["methods"]["spec:pld"]["overall"]
+    assert pld["identical"] == 2 and pld["mean_tree_nodes"] > 1 and pld["efficiency"] == pytest.approx(pld["speedup"] / pld["ideal_speedup"])
+    assert "spec:pld" in stdout and "effic." in stdout
+
+
+def test_bench_samples_at_temperature_one(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "count: 1 2 3 1 2 3 1 2"}) + "\n")
+    out = tmp_path / "r.json"
+    args = ["bench", *TINY, "--prompts", str(f), "--max-new-tokens", "12", "--temperature", "1.0", "--out", str(out)]
+    code, _, err = run(args, capsys)
+    assert code == 2 and "hf-pld" in err  # greedy-only baseline refused with a clear message
+    code, _, _ = run([*args, "--methods", "vanilla,spec"], capsys)
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert "identical" not in res["methods"]["spec"]["overall"]  # sampled outputs are not compared
+    assert res["methods"]["spec"]["overall"]["tokens"] > 0 and res["config"]["temperature"] == 1.0
