@@ -134,8 +134,9 @@ def test_save_is_atomic_and_replaces(tmp_path, llama):
 
 
 def test_bf16_checkpoint_halves_the_file_and_loads_as_float32(tmp_path, llama, capsys):
-    from infer.cli import main
     from safetensors.torch import load_file
+
+    from infer.cli import main
 
     head = make_head(llama, "eagle3")
     head.save_pretrained(tmp_path / "fp32")
