@@ -53,11 +53,14 @@ def model_card(config: HeadConfig) -> str:
         lines.append(f"| heads x blocks | {config.num_heads} x {config.num_layers} (own LM heads: {config.own_lm_head}) |")
     if config.head_type == "eagle3":
         lines.append(f"| draft vocabulary | {config.draft_vocab_size} tokens; fused layers {list(config.aux_layers)} |")
-    for key, label in (("data", "training data"), ("steps", "training steps"), ("tokens", "training tokens"),
-                       ("wall_time_s", "training wall time (s)"), ("acceptance", "held-out top-1 acceptance per depth"),
-                       ("tau", "estimated tau")):
+    known = (("data", "training data"), ("records", "training records"), ("steps", "training steps"),
+             ("tokens", "training tokens"), ("wall_time_s", "training wall time (s)"), ("peak_memory_mb", "peak memory (MB)"),
+             ("acceptance", "held-out top-1 acceptance per depth"), ("tau", "estimated tau (chain, from acceptance)"))
+    for key, label in known:
         if key in t:
             lines.append(f"| {label} | {t[key]} |")
+    for key in sorted(set(t) - {k for k, _ in known}):  # free-form notes (the recipe's `extra`)
+        lines.append(f"| {key.replace('_', ' ')} | {t[key]} |")
     lines += ["", "```bash", f"specheads generate --verifier {config.verifier.name or 'VERIFIER'} --draft THIS_DIR --prompt \"...\"", "```", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).content
 

@@ -105,6 +105,14 @@ def batch_indices(order_for_epoch, n_train: int, micro: int, global_batch: int, 
     return glob[rank * per_rank : (rank + 1) * per_rank]
 
 
+def peak_memory_mb() -> int:
+    """This process's peak resident memory (MB; Linux and macOS report it in different units)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024)
+
+
 def train(cfg: TrainConfig) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -269,6 +277,7 @@ def train(cfg: TrainConfig) -> dict:
         facts = {
             "data": str(cfg.prompts or data_path), "records": len(records), "steps": step,
             "tokens": int(sum(sum(r.loss_mask) for r in records)), "wall_time_s": round(time.time() - t_start),
+            "peak_memory_mb": peak_memory_mb(),
             "acceptance": {k[9:]: round(v, 4) for k, v in last_eval.items() if k.startswith("eval_acc_")},
             "tau": round(last_eval.get("eval_tau", 0.0), 3), **cfg.extra,
         }
