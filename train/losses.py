@@ -48,18 +48,29 @@ def _shift(x: torch.Tensor, shift: int, dim: int = 1) -> torch.Tensor:
     return out
 
 
+def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``values [N]`` at the ``N`` true positions of ``where [B, T]`` -> ``[B, T]`` (0 elsewhere)."""
+    out = values.new_zeros(where.shape)
+    out[where] = values
+    return out
+
+
 def medusa_loss(head, verifier, feats: Features, input_ids, loss_mask, decay: float = 0.8):
-    """Medusa-1: head ``k`` at position ``t`` predicts token ``t + 2 + k``; CE weighted ``decay**k``."""
+    """Medusa-1: head ``k`` at position ``t`` predicts token ``t + 2 + k``; CE weighted ``decay**k``.
+    The vocabulary projections run only at positions some head has a target for."""
     lm_head = None if head.lm_heads is not None else verifier.get_output_embeddings()
-    logits = head(feats.last, lm_head)  # [K, B, T, V]
+    k_heads = head.config.num_heads
+    valid = [_shifted_valid(loss_mask, 2 + k) for k in range(k_heads)]
+    used = torch.stack(valid).any(0)  # [B, T]
+    logits = head(feats.last[used], lm_head)  # [K, N, V]
     total = logits.new_zeros(())
     metrics = {}
-    for k in range(logits.shape[0]):
-        target = _shift(input_ids, 2 + k)
-        valid = _shifted_valid(loss_mask, 2 + k)
-        ce = F.cross_entropy(logits[k].flatten(0, 1).float(), target.flatten(), reduction="none").view_as(target)
-        total = total + decay**k * _seq_mean(ce, valid)
-        metrics[f"acc_{k + 1}"] = _seq_mean((logits[k].argmax(-1) == target).float(), valid).detach()
+    for k in range(k_heads):
+        target = _shift(input_ids, 2 + k)[used]
+        ce = F.cross_entropy(logits[k].float(), target, reduction="none")
+        total = total + decay**k * _seq_mean(_scatter(ce, used), valid[k])
+        hit = (logits[k].argmax(-1) == target).float()
+        metrics[f"acc_{k + 1}"] = _seq_mean(_scatter(hit, used), valid[k]).detach()
     return total, metrics
 
 
@@ -81,12 +92,13 @@ def eagle1_loss(head, verifier, feats: Features, input_ids, loss_mask, ce_weight
     target = _shift(f, 1)
     valid = _shifted_valid(loss_mask, 1) & _shifted_valid(torch.ones_like(loss_mask), 1)
     reg = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1)
+    # vocabulary projections only where there is a target (a fraction of all B x T positions)
     with torch.no_grad():
-        p = torch.softmax(verifier_logits(verifier, target).float(), -1)
-    q_logits = verifier_logits(verifier, pred)
-    ce = _soft_ce(q_logits, p)
+        p = torch.softmax(verifier_logits(verifier, target[valid]).float(), -1)  # [N, V]
+    q_logits = verifier_logits(verifier, pred[valid])
+    ce = _scatter(_soft_ce(q_logits, p), valid)
     loss = _seq_mean(reg, valid) + ce_weight * _seq_mean(ce, valid)
-    acc = _seq_mean((q_logits.argmax(-1) == p.argmax(-1)).float(), valid).detach()
+    acc = _seq_mean(_scatter((q_logits.argmax(-1) == p.argmax(-1)).float(), valid), valid).detach()
     return loss, {"acc_1": acc}
 
 
