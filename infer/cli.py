@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', a model directory or a Hub id")
-    p.add_argument("--draft", default="pld", help="'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), or a draft-head checkpoint directory / Hub id")
+    p.add_argument("--draft", default="pld", help="'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), a draft-head checkpoint directory / Hub id, or several joined by '+' (e.g. default+pld: verify the union of their drafts)")
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
     p.add_argument("--tree-budget", choices=("auto", "fixed"), default="auto",
                    help="auto: measure the verify-cost curve at load; trained heads size each dynamic tree for the most tokens per second and prompt lookup sizes its drafts by it. fixed: heads always use the tree's num_nodes, prompt lookup the built-in curve")
@@ -98,23 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_drafter(name: str, tree, model, budget: str = "auto"):
-    """``pld``, ``none``, the name of a head shipped in the package (``default``), or a draft-head
-    checkpoint (directory or Hub id) for ``model``. With
-    ``budget="auto"`` the verifier's cost curve is measured (a second or two) and drafts are sized
-    by it."""
+    """``pld``, ``none``, the name of a head shipped in the package (``default``), a draft-head
+    checkpoint (directory or Hub id) for ``model``, or several of them joined by ``+`` (e.g.
+    ``default+pld``: each step verifies the union of their drafts; ``tree`` shapes the first).
+    With ``budget="auto"`` the verifier's cost curve is measured (a second or two) and drafts are
+    sized by it."""
     from pathlib import Path
 
     from heads.io import pretrained_names
 
-    from .drafters import NoDrafter, PromptLookupDrafter
+    from .drafters import NoDrafter, PromptLookupDrafter, UnionDrafter
 
+    parts = name.split("+")
+    shipped = pretrained_names()
+    for part in parts:
+        is_head = part in shipped or Path(part).is_dir() or (part.count("/") == 1 and not Path(part).exists())
+        if part not in ("pld", "none") and not is_head:
+            names = ", ".join([*shipped, "pld", "none"])
+            raise UserError(f"unknown draft {part!r}: use {names}, a draft-head checkpoint directory or Hub id, or several joined by +")
+    if len(parts) > 1 and "none" in parts:
+        raise UserError(f"--draft {name!r}: 'none' cannot be combined with other drafts")
     if name == "none":
         return NoDrafter()
-    shipped = pretrained_names()
-    is_head = name in shipped or Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists())
-    if name != "pld" and not is_head:
-        names = ", ".join([*shipped, "pld", "none"])
-        raise UserError(f"unknown draft {name!r}: use {names}, or a draft-head checkpoint directory or Hub id")
     cost = None
     if budget == "auto":
         from .bench import measure_verify_cost
@@ -125,11 +130,16 @@ def make_drafter(name: str, tree, model, budget: str = "auto"):
             import logging
 
             logging.getLogger("specheads").info("the verify-cost curve is within timing noise: using the fixed tree budget")
-    if name == "pld":
-        return PromptLookupDrafter(tree=tree) if cost is None else PromptLookupDrafter(tree=tree, cost=cost)
-    from .head_drafters import load_head_drafter
 
-    return load_head_drafter(name, model, tree, cost)
+    def one(part: str, tree_):
+        if part == "pld":
+            return PromptLookupDrafter(tree=tree_) if cost is None else PromptLookupDrafter(tree=tree_, cost=cost)
+        from .head_drafters import load_head_drafter
+
+        return load_head_drafter(part, model, tree_, cost)
+
+    drafters = [one(part, tree if i == 0 else None) for i, part in enumerate(parts)]
+    return drafters[0] if len(drafters) == 1 else UnionDrafter(drafters)
 
 
 def _tree(args):

@@ -132,8 +132,13 @@ class PromptLookupDrafter(Drafter):
 
     def update(self, tokens, features=None) -> None:
         if self._last is not None:
-            n, depth = self._last
-            accepted = len(tokens) - 1
+            n, depth, trie = self._last
+            accepted, node = 0, 0  # how far the committed tokens follow this drafter's own trie
+            for tok in tokens[1:].tolist():
+                node = trie.get((node, tok))
+                if node is None:
+                    break
+                accepted += 1
             succ, fail = self._stats.get(n, (1.0, 1.0))
             self._stats[n] = (succ + accepted, fail + (accepted < depth))
             self._last = None
@@ -206,6 +211,66 @@ class PromptLookupDrafter(Drafter):
                     parents.append(node)
                 node = child
         tree_ = build_tree(parents)
-        self._last = (n, tree_.depth)
+        self._last = (n, tree_.depth, trie)
         return Draft(torch.tensor(tokens, dtype=torch.long), tree_)
+
+
+def merge_drafts(drafts: list[Draft]) -> Draft:
+    """The union of deterministic drafts with the same root, as one trie: a path drafted by
+    several of them appears once. Nodes keep their order (parents before children).
+
+    ``drafts``: ``k`` drafts of ``[N_i]`` tokens -> a draft of ``<= 1 + sum(N_i - 1)`` tokens."""
+    root = int(drafts[0].tokens[0])
+    if any(int(d.tokens[0]) != root for d in drafts):
+        raise ValueError("drafts to merge must share their root token")
+    tokens, parents = [root], [-1]
+    trie: dict[tuple[int, int], int] = {}
+    for d in drafts:
+        where = [0] * d.tokens.numel()  # node of d -> merged node
+        for i in range(1, d.tokens.numel()):
+            key = (where[int(d.tree.parents[i])], int(d.tokens[i]))
+            if key not in trie:
+                trie[key] = len(tokens)
+                tokens.append(key[1])
+                parents.append(key[0])
+            where[i] = trie[key]
+    return Draft(torch.tensor(tokens, dtype=torch.long), build_tree(parents))
+
+
+class UnionDrafter(Drafter):
+    """Several drafters at once (e.g. a trained head and prompt lookup): each step verifies the
+    union of their trees, so each one's strength counts (the head for fresh text, prompt lookup
+    for text copied from the context). Greedy only: when sampling, the first drafter alone
+    proposes (exact tree rejection sampling needs one proposal distribution per node)."""
+
+    def __init__(self, drafters: list[Drafter]):
+        if len(drafters) < 2:
+            raise ValueError("a union needs at least two drafters")
+        self.drafters = drafters
+        self.tree = drafters[0].tree
+        layers: list[int] = []
+        for d in drafters:
+            layers += [x for x in d.feature_layers if x not in layers]
+        self.feature_layers = tuple(layers)
+
+    def _features_for(self, d: Drafter, features):
+        if features is None or not d.feature_layers:
+            return None
+        idx = [self.feature_layers.index(x) for x in d.feature_layers]
+        return features[:, idx]
+
+    def begin(self, prompt_ids, features) -> None:
+        for d in self.drafters:
+            d.begin(prompt_ids, self._features_for(d, features))
+
+    def update(self, tokens, features) -> None:
+        for d in self.drafters:
+            d.update(tokens, self._features_for(d, features))
+
+    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
+        first = self.drafters[0].propose(root, tree=tree, max_depth=max_depth, generator=generator)
+        if generator is not None:
+            return first
+        rest = [d.propose(root, tree=None, max_depth=max_depth, generator=None) for d in self.drafters[1:]]
+        return merge_drafts([first, *rest])
 

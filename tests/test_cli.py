@@ -57,6 +57,8 @@ def test_generate_streams_text_and_reports_stats(capsys):
         (["cost", *TINY, "--nodes", "1,a"], "--nodes"),
         (["bench", *TINY, "--prompts", "/no/such/file.jsonl", "--out", "r.json"], "cannot read prompt file"),
         (["frobnicate"], "invalid choice"),
+        (["generate", *TINY, "--draft", "pld+none", "--prompt", "x"], "cannot be combined"),
+        (["generate", *TINY, "--draft", "pld+nosuch", "--prompt", "x"], "unknown draft 'nosuch'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):

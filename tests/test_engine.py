@@ -134,3 +134,43 @@ def test_bad_prompts_are_user_errors(llama):
         generate(llama, None, torch.tensor([], dtype=torch.long), max_new_tokens=3)
     with pytest.raises(UserError, match=r"\[0, 256\)"):
         generate(llama, None, torch.tensor([1, 999]), max_new_tokens=3)
+
+
+def test_merged_drafts_share_common_paths():
+    from infer.drafters import Draft, merge_drafts
+    from infer.tree import build_tree
+
+    a = Draft(torch.tensor([7, 1, 2, 3]), build_tree([-1, 0, 1, 0]))  # 7 -> 1 -> 2, 7 -> 3
+    b = Draft(torch.tensor([7, 1, 2, 5, 9]), build_tree([-1, 0, 1, 2, 0]))  # 7 -> 1 -> 2 -> 5, 7 -> 9
+    m = merge_drafts([a, b])
+    assert m.tokens.tolist() == [7, 1, 2, 3, 5, 9]
+    assert m.tree.parents.tolist() == [-1, 0, 1, 0, 2, 0]
+    with pytest.raises(ValueError, match="root"):
+        merge_drafts([a, Draft(torch.tensor([8]), build_tree([-1]))])
+
+
+@pytest.mark.parametrize("order", ["wrong-first", "oracle-first"])
+def test_union_of_drafters_is_lossless_and_keeps_the_best(llama, order):
+    from infer.drafters import UnionDrafter
+
+    ids = _prompt(3)
+    ref = hf_greedy(llama, ids, N_NEW)
+    oracle = ReferenceDrafter(ref, ids.numel(), p_right=1.0)
+    wrong = ReferenceDrafter(ref, ids.numel(), parents=[-1, 0, 0, 1], p_right=0.0)
+    parts = [wrong, oracle] if order == "wrong-first" else [oracle, wrong]
+    res = generate(llama, UnionDrafter(parts), ids, max_new_tokens=N_NEW)
+    assert res.token_ids == ref
+    assert res.stats.mean_accepted >= 4.5  # the oracle's chain of 4 is always in the union
+    # root + the oracle's 4 + the wrong drafter's 2 distinct nodes (its two depth-1 siblings are the same token)
+    assert res.stats.nodes_hist[7] == res.stats.verify_steps - 1
+
+
+def test_union_samples_from_its_first_drafter_only(llama):
+    from infer.drafters import UnionDrafter
+
+    ids = _prompt(4)
+    ref = hf_greedy(llama, ids, N_NEW)
+    union = UnionDrafter([PromptLookupDrafter(), ReferenceDrafter(ref, ids.numel(), p_right=1.0)])
+    res = generate(llama, union, ids, max_new_tokens=12, temperature=1.0, seed=0)
+    assert len(res.token_ids) == 12
+    assert max(n for n, k in enumerate(res.stats.nodes_hist) if k) <= 11  # never the oracle's extra chain merged in
