@@ -253,6 +253,7 @@ def grow_dynamic_tree(
     vocab_map: torch.Tensor | None = None,
     vocab_size: int | None = None,
     cost: Callable[[int], float] | None = None,
+    prune: bool = True,
 ) -> DynamicTree:
     """Grow an EAGLE-2 tree.
 
@@ -274,6 +275,12 @@ def grow_dynamic_tree(
     node budget is chosen per step, up to ``num_nodes``: the ``n`` best nodes maximising
     ``(1 + sum of their path probabilities) / cost(n)``, the expected tokens per unit of verify
     time if the draft's confidences are calibrated (a node is accepted with its path probability).
+
+    With ``prune`` (greedy only), the next depth is drafted only if one of its nodes could still
+    be kept: a child never scores above its parent, so once the nodes in hand fill the budget
+    with scores at least the best frontier node's (or, with ``cost``, once even nodes that good
+    would not raise the expected tokens per unit of time), deeper drafting cannot change the
+    tree and is skipped. The result is the same tree, for fewer draft passes.
     """
     depth = spec.depth if max_depth is None else min(spec.depth, max_depth)
     device = None
@@ -283,7 +290,11 @@ def grow_dynamic_tree(
     cand_key: list[float] = [0.0]  # selection key: score, or Gumbel-perturbed score when sampling
     cand_q: list[torch.Tensor | None] = [None]
     frontier = [0]
-    for _ in range(depth):
+    for d in range(depth):
+        if prune and generator is None and d > 0:
+            best_frontier = math.exp(max(cand_score[i] for i in frontier))
+            if not deeper_nodes_can_pay(sorted((math.exp(x) for x in cand_score[1:]), reverse=True), best_frontier, spec.num_nodes, cost):
+                break
         ids = torch.tensor(frontier, dtype=torch.long)
         toks = torch.tensor([cand_tok[i] for i in frontier], dtype=torch.long)
         pars = torch.tensor([cand_par[i] for i in frontier], dtype=torch.long)
@@ -359,6 +370,32 @@ def best_budget(path_probs: Sequence[float], cost: Callable[[int], float]) -> in
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
+
+
+def deeper_nodes_can_pay(path_probs: Sequence[float], frontier_best: float, num_nodes: int,
+                         cost: Callable[[int], float] | None) -> bool:
+    """Whether a node with path probability ``<= frontier_best`` could still enter the tree
+    chosen from candidates ``path_probs`` (sorted best first, root excluded) with at most
+    ``num_nodes`` nodes: by beating the ``num_nodes - 1``-th candidate (fixed budget), or, with
+    ``cost``, by raising the best ``(1 + sum of path probabilities) / cost(n)``."""
+    if num_nodes <= 1:
+        return False
+    top = list(path_probs[: num_nodes - 1])
+    if cost is None:
+        return len(top) < num_nodes - 1 or top[-1] < frontier_best
+    n_best = best_budget(top, cost)
+    if n_best > 1 and top[n_best - 2] < frontier_best:
+        return True  # a deeper node could displace one of the chosen nodes
+    expected = 1.0 + sum(top[: n_best - 1])
+    rate = expected / cost(n_best)
+    rest = top[n_best - 1 :]
+    bound = expected
+    for n in range(n_best + 1, num_nodes + 1):
+        j = n - n_best - 1
+        bound += max(frontier_best, rest[j] if j < len(rest) else 0.0)
+        if bound / cost(n) > rate:
+            return True
+    return False
 
 
 def _ancestors_kept(i: int, parents: list[int], keep: set[int]) -> bool:

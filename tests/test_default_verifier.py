@@ -35,6 +35,21 @@ def test_greedy_output_identical_to_hf_generate(default):
     assert max(taus) > 1.5  # the repetition prompt is easy for prompt lookup
 
 
+def test_shipped_default_head_is_lossless_and_accepts(default):
+    from infer.cli import make_drafter
+
+    eos = eos_ids(default.model, default.tokenizer)
+    for draft in ("default", "default+pld"):
+        drafter = make_drafter(draft, None, default.model, budget="fixed")
+        accepted = []
+        for prompt in PROMPTS:
+            ids = encode_prompt(default.tokenizer, prompt)
+            res = generate(default.model, drafter, ids, max_new_tokens=48, eos_token_id=eos)
+            assert res.token_ids == hf_generate(default.model, ids, 48, eos)
+            accepted.append(res.stats.mean_accepted)
+        assert sum(accepted) / len(accepted) > 1.5  # a trained head, not noise
+
+
 def test_text_helper_and_chat_template(default):
     res = generate_text(default.model, PromptLookupDrafter(), default.tokenizer, PROMPTS[0], max_new_tokens=16)
     assert "Paris" in res.text

@@ -37,3 +37,22 @@ def test_tree_presets_ship_with_the_package():
 
     presets = pathlib.Path(infer.__file__).parent / "presets" / "trees"
     assert sorted(p.name for p in presets.glob("*.json")) == sorted(p.name for p in (ROOT / "configs" / "trees").glob("*.json"))
+
+
+def test_default_head_ships_small_and_in_half_precision():
+    import json
+
+    from safetensors import safe_open
+
+    import heads.io
+
+    assert "default" in heads.io.pretrained_names()
+    d = heads.io.PRETRAINED_DIR / "default"
+    weights = d / "model.safetensors"
+    assert weights.stat().st_size <= 20 * 10**6
+    with safe_open(str(weights), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert "F32" not in dtypes and "BF16" in dtypes
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["verifier"]["name"] == "default" and cfg["training"]["steps"] > 0
+    assert "estimated tau" in (d / "README.md").read_text()

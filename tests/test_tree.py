@@ -145,3 +145,49 @@ def test_auto_budget_follows_the_verify_cost():
     mid = VerifyCost((1, 4, 8, 16), (1.0, 1.55, 1.9, 2.2))
     n = grow_dynamic_tree(expand, 5, spec, cost=mid).tokens.numel()
     assert 1 <= n <= 12
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 4), st.integers(2, 24), st.integers(0, 1000), st.floats(0.3, 6.0),
+       st.sampled_from(["fixed", "flat", "mid", "steep"]))
+def test_pruned_drafting_gives_the_same_tree_with_fewer_passes(depth, k, n, seed, sharpness, cost_name):
+    from infer.cost import VerifyCost
+
+    cost = {"fixed": None, "flat": VerifyCost((1, 64), (1.0, 1.05)), "mid": VerifyCost((1, 4, 8, 16, 32), (1.0, 1.55, 1.9, 2.2, 2.6)),
+            "steep": VerifyCost((1, 2, 64), (1.0, 1.8, 40.0))}[cost_name]
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(20, 20, generator=g).mul(sharpness).log_softmax(-1)
+    calls = {"full": 0, "pruned": 0}
+
+    def counted(key):
+        def expand(ids, parents, toks):
+            calls[key] += 1
+            return table[toks]
+        return expand
+
+    spec = DynamicTreeSpec(depth, k, n)
+    full = grow_dynamic_tree(counted("full"), 3, spec, cost=cost, prune=False)
+    pruned = grow_dynamic_tree(counted("pruned"), 3, spec, cost=cost)
+    assert torch.equal(full.tokens, pruned.tokens) and torch.equal(full.parents, pruned.parents)
+    assert calls["pruned"] <= calls["full"] == depth
+
+
+def test_pruning_skips_depths_that_cannot_pay():
+    from infer.cost import VerifyCost
+
+    table = torch.full((20, 20), -8.0)
+    table[:, 0] = 0.0  # token 0 is certain; everything else is ~e^-8 (log-probs need not normalise here)
+    spec = DynamicTreeSpec(depth=6, top_k=2, num_nodes=4)
+    calls = []
+
+    def expand(ids, parents, toks):
+        calls.append(len(ids))
+        return table[toks]
+
+    t = grow_dynamic_tree(expand, 5, spec)
+    assert t.tokens.tolist() == [5, 0, 0, 0]  # the certain chain fills the budget of 4...
+    assert len(calls) == 3  # ...after three draft passes, so depths 4 to 6 are never drafted
+    calls.clear()
+    steep = VerifyCost((1, 2, 64), (1.0, 3.0, 100.0))
+    table[:, 0] = -3.0  # p = 0.05: never worth a node at this cost
+    assert grow_dynamic_tree(expand, 5, spec, cost=steep).tokens.numel() == 1 and len(calls) == 1
