@@ -109,6 +109,21 @@ def pretrained_names() -> list[str]:
     return sorted(p.name for p in PRETRAINED_DIR.iterdir() if (p / CONFIG).is_file())
 
 
+def pretrained_for(model: torch.nn.Module) -> list[str]:
+    """Names of the shipped heads trained for ``model`` (same shapes and weight fingerprint)."""
+    from .config import HeadMismatchError
+
+    names, spec = [], None
+    for name in pretrained_names():
+        spec = spec or VerifierSpec.of(model)
+        try:
+            read_config(PRETRAINED_DIR / name).verifier.check(spec)
+        except (HeadMismatchError, CheckpointError):
+            continue
+        names.append(name)
+    return names
+
+
 def resolve(path_or_repo: str | Path) -> Path:
     """A local checkpoint directory, the name of a head shipped in the package (``default``), or
     a Hub repo id downloaded to the local cache."""

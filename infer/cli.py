@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', a model directory or a Hub id")
-    p.add_argument("--draft", default="pld", help="'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), a draft-head checkpoint directory / Hub id, or several joined by '+' (e.g. default+pld: verify the union of their drafts)")
+    p.add_argument("--draft", default="auto", help="'auto' (the default: the heads shipped for this verifier, if any, together with prompt lookup; else prompt lookup), 'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), a draft-head checkpoint directory / Hub id, or several joined by '+' (e.g. default+pld: verify the union of their drafts)")
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
     p.add_argument("--tree-budget", choices=("auto", "fixed"), default="auto",
                    help="auto: measure the verify-cost curve at load; trained heads size each dynamic tree for the most tokens per second and prompt lookup sizes its drafts by it. fixed: heads always use the tree's num_nodes, prompt lookup the built-in curve")
@@ -98,17 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_drafter(name: str, tree, model, budget: str = "auto"):
-    """``pld``, ``none``, the name of a head shipped in the package (``default``), a draft-head
+    """``auto`` (the shipped heads trained for ``model``, with prompt lookup; else prompt lookup),
+    ``pld``, ``none``, the name of a head shipped in the package (``default``), a draft-head
     checkpoint (directory or Hub id) for ``model``, or several of them joined by ``+`` (e.g.
     ``default+pld``: each step verifies the union of their drafts; ``tree`` shapes the first).
     With ``budget="auto"`` the verifier's cost curve is measured (a second or two) and drafts are
     sized by it."""
     from pathlib import Path
 
-    from heads.io import pretrained_names
+    from heads.io import pretrained_for, pretrained_names
 
     from .drafters import NoDrafter, PromptLookupDrafter, UnionDrafter
 
+    if name == "auto":
+        name = "+".join([*pretrained_for(model), "pld"])
     parts = name.split("+")
     shipped = pretrained_names()
     for part in parts:

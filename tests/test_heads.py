@@ -188,3 +188,21 @@ def test_hub_roundtrip_without_network(tmp_path, llama, monkeypatch):
     loaded = load_head("me/tiny-eagle3", verifier=llama)
     with torch.no_grad():
         torch.testing.assert_close(draft_logits(loaded, llama), draft_logits(head, llama))
+
+
+def test_auto_draft_picks_the_shipped_heads_of_this_verifier(tmp_path, monkeypatch, llama):
+    import heads.io
+    from infer.cli import make_drafter
+    from infer.drafters import PromptLookupDrafter, UnionDrafter
+
+    other = tiny_random_model("qwen2")
+    make_head(llama, "eagle3").save_pretrained(tmp_path / "for-llama")
+    make_head(other, "eagle3").save_pretrained(tmp_path / "for-qwen")
+    monkeypatch.setattr(heads.io, "PRETRAINED_DIR", tmp_path)
+    assert heads.io.pretrained_names() == ["for-llama", "for-qwen"]
+    assert heads.io.pretrained_for(llama) == ["for-llama"]
+    d = make_drafter("auto", None, llama, budget="fixed")
+    assert isinstance(d, UnionDrafter) and isinstance(d.drafters[0], EagleDrafter) and isinstance(d.drafters[1], PromptLookupDrafter)
+    assert isinstance(make_drafter("auto", None, tiny_random_model("mistral"), budget="fixed"), PromptLookupDrafter)
+    with pytest.raises(UserError, match="trained for"):
+        make_drafter("for-qwen", None, llama, budget="fixed")  # a shipped head by name, wrong verifier
