@@ -54,7 +54,7 @@ def model_card(config: HeadConfig) -> str:
     if config.head_type == "eagle3":
         lines.append(f"| draft vocabulary | {config.draft_vocab_size} tokens; fused layers {list(config.aux_layers)} |")
     known = (("data", "training data"), ("records", "training records"), ("steps", "training steps"),
-             ("tokens", "training tokens"), ("wall_time_s", "training wall time (s)"), ("peak_memory_mb", "peak memory (MB)"),
+             ("tokens", "training tokens"), ("wall_time_s", "training wall time (s)"), ("peak_memory_mb", "peak CPU memory of the training process (MB)"),
              ("acceptance", "held-out top-1 acceptance per depth"), ("tau", "estimated tau (chain, from acceptance)"))
     for key, label in known:
         if key in t:
@@ -78,10 +78,10 @@ def write_atomic(path: Path, write) -> None:
         raise
 
 
-def save_head(head: DraftHead, directory: str | Path, *, dtype: torch.dtype | None = None, **training) -> Path:
+def save_head(head: DraftHead, directory: str | Path, *, weights_dtype: torch.dtype | None = None, **training) -> Path:
     """Save ``head`` (weights, config with ``training`` facts merged in, model card) into
     ``directory`` (created if needed; other files in it are left alone). Each file is written to a
-    temporary name and renamed, weights first and config last. ``dtype``: store floating-point
+    temporary name and renamed, weights first and config last. ``weights_dtype``: store floating-point
     weights in it (e.g. ``torch.bfloat16`` halves the file; loading upcasts to float32)."""
     directory = Path(directory)
     config = head.config
@@ -90,8 +90,8 @@ def save_head(head: DraftHead, directory: str | Path, *, dtype: torch.dtype | No
         head.config = config
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    if weights_dtype is not None:
+        state = {k: v.to(weights_dtype) if v.is_floating_point() else v for k, v in state.items()}
     write_atomic(directory / WEIGHTS, lambda p: save_file(state, p, metadata={"format": "pt"}))
     write_atomic(directory / CARD, lambda p: p.write_text(model_card(config)))
     write_atomic(directory / CONFIG, lambda p: p.write_text(json.dumps(config.to_dict(), indent=1)))

@@ -106,13 +106,15 @@ def make_drafter(name: str, tree, model, budget: str = "auto"):
     sized by it."""
     from pathlib import Path
 
-    from heads.io import pretrained_for, pretrained_names
+    from heads.io import PRETRAINED_DIR, pretrained_for, pretrained_names
 
     from .drafters import NoDrafter, PromptLookupDrafter, UnionDrafter
 
-    if name == "auto":
-        name = "+".join([*pretrained_for(model), "pld"])
-    parts = name.split("+")
+    auto = name == "auto"
+    if auto:  # explicit paths: a local directory that happens to share a shipped name is not picked up
+        parts = [str(PRETRAINED_DIR / n) for n in pretrained_for(model)] + ["pld"]
+    else:
+        parts = [name] if Path(name).is_dir() else name.split("+")
     shipped = pretrained_names()
     for part in parts:
         is_head = part in shipped or Path(part).is_dir() or (part.count("/") == 1 and not Path(part).exists())
@@ -121,7 +123,7 @@ def make_drafter(name: str, tree, model, budget: str = "auto"):
             raise UserError(f"unknown draft {part!r}: use {names}, a draft-head checkpoint directory or Hub id, or several joined by +")
     if len(parts) > 1 and "none" in parts:
         raise UserError(f"--draft {name!r}: 'none' cannot be combined with other drafts")
-    if name == "none":
+    if parts == ["none"]:
         return NoDrafter()
     cost = None
     if budget == "auto":
@@ -141,8 +143,20 @@ def make_drafter(name: str, tree, model, budget: str = "auto"):
 
         return load_head_drafter(part, model, tree_, cost)
 
-    drafters = [one(part, tree if i == 0 else None) for i, part in enumerate(parts)]
+    target = 0  # the drafter that --tree shapes (the drafters carry their trees; none is passed per call)
+    if auto and tree is not None:  # a head that grows this kind of tree, else prompt lookup (last)
+        target = next((i for i, part in enumerate(parts) if part == "pld" or _tree_fits(part, tree)), len(parts) - 1)
+    drafters = [one(part, tree if i == target else None) for i, part in enumerate(parts)]
     return drafters[0] if len(drafters) == 1 else UnionDrafter(drafters)
+
+
+def _tree_fits(head_path: str, tree) -> bool:
+    """Whether the head at ``head_path`` grows ``tree``'s kind of tree (Medusa: static, EAGLE: dynamic)."""
+    from heads.io import read_config, resolve
+
+    from .tree import StaticTreeSpec
+
+    return (read_config(resolve(head_path)).head_type in ("medusa", "medusa2")) == isinstance(tree, StaticTreeSpec)
 
 
 def _tree(args):
@@ -167,7 +181,7 @@ def cmd_generate(args) -> int:
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     chunks = stream(
         lv.model, drafter, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, tree=tree, eos_token_id=eos_ids(lv.model, lv.tokenizer),
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, eos_token_id=eos_ids(lv.model, lv.tokenizer),
         stop=args.stop, tokenizer=lv.tokenizer, acceptance=args.acceptance,
     )
     if args.compare:  # warm both paths up so that the timings compare steady states
@@ -240,6 +254,8 @@ def cmd_bench(args) -> int:
     )
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if not methods:
+        raise UserError("--methods is empty: give a comma-separated subset of vanilla,hf-pld,spec")
     if args.limit is not None and args.limit < 1:
         raise UserError("--limit must be >= 1")
     if args.max_new_tokens < 1:
@@ -254,7 +270,7 @@ def cmd_bench(args) -> int:
     if len(drafters) != len(names):
         raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component)")
     results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods,
-                        max_new_tokens=args.max_new_tokens, tree=tree, chat=args.chat is not False,
+                        max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
                         temperature=args.temperature, seed=args.seed)
     results["config"] = {
         "command": "specheads " + " ".join(sys.argv[1:]), "verifier": args.verifier, "draft": args.draft,
@@ -294,7 +310,7 @@ def cmd_chat(args) -> int:
     lv = _load(args)
     drafter = make_drafter(args.draft, tree, lv.model, args.tree_budget)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-               top_k=args.top_k, seed=args.seed, tree=tree)
+               top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen))
 
 
@@ -308,9 +324,14 @@ def cmd_export(args) -> int:
     try:
         head = load_head(args.draft)
         if args.format == "specheads":
-            from heads.io import save_head
+            import shutil
 
-            out = save_head(head, args.out, dtype=dtype)
+            from heads.io import resolve, save_head
+
+            out = save_head(head, args.out, weights_dtype=dtype)
+            adapter = resolve(args.draft) / "adapter"  # Medusa-2: the verifier's LoRA adapters
+            if adapter.is_dir():
+                shutil.copytree(adapter, out / "adapter", dirs_exist_ok=True)
         elif args.format == "eagle3":
             out = export_eagle3(head, args.out, dtype=dtype)
         else:

@@ -292,8 +292,8 @@ def grow_dynamic_tree(
     frontier = [0]
     for d in range(depth):
         if prune and generator is None and d > 0:
-            best_frontier = math.exp(max(cand_score[i] for i in frontier))
-            if not deeper_nodes_can_pay(sorted((math.exp(x) for x in cand_score[1:]), reverse=True), best_frontier, spec.num_nodes, cost):
+            best_frontier = max(cand_score[i] for i in frontier)
+            if not deeper_nodes_can_pay(sorted(cand_score[1:], reverse=True), best_frontier, spec.num_nodes, cost):
                 break
         ids = torch.tensor(frontier, dtype=torch.long)
         toks = torch.tensor([cand_tok[i] for i in frontier], dtype=torch.long)
@@ -372,17 +372,19 @@ def best_budget(path_probs: Sequence[float], cost: Callable[[int], float]) -> in
     return best_n
 
 
-def deeper_nodes_can_pay(path_probs: Sequence[float], frontier_best: float, num_nodes: int,
+def deeper_nodes_can_pay(path_logprobs: Sequence[float], frontier_best: float, num_nodes: int,
                          cost: Callable[[int], float] | None) -> bool:
-    """Whether a node with path probability ``<= frontier_best`` could still enter the tree
-    chosen from candidates ``path_probs`` (sorted best first, root excluded) with at most
+    """Whether a node with path log-probability ``<= frontier_best`` could still enter the tree
+    chosen from candidates ``path_logprobs`` (sorted best first, root excluded) with at most
     ``num_nodes`` nodes: by beating the ``num_nodes - 1``-th candidate (fixed budget), or, with
     ``cost``, by raising the best ``(1 + sum of path probabilities) / cost(n)``."""
     if num_nodes <= 1:
         return False
-    top = list(path_probs[: num_nodes - 1])
-    if cost is None:
+    if cost is None:  # compared in log space: exactly the order the final selection uses
+        top = path_logprobs[: num_nodes - 1]
         return len(top) < num_nodes - 1 or top[-1] < frontier_best
+    top = [math.exp(x) for x in path_logprobs[: num_nodes - 1]]
+    frontier_best = math.exp(frontier_best)
     n_best = best_budget(top, cost)
     if n_best > 1 and top[n_best - 2] < frontier_best:
         return True  # a deeper node could displace one of the chosen nodes

@@ -58,6 +58,7 @@ def test_generate_streams_text_and_reports_stats(capsys):
         (["bench", *TINY, "--prompts", "/no/such/file.jsonl", "--out", "r.json"], "cannot read prompt file"),
         (["frobnicate"], "invalid choice"),
         (["generate", *TINY, "--draft", "pld+none", "--prompt", "x"], "cannot be combined"),
+        (["bench", *TINY, "--prompts", "p.jsonl", "--methods", ",", "--out", "r.json"], "--methods is empty"),
         (["generate", *TINY, "--draft", "pld+nosuch", "--prompt", "x"], "unknown draft 'nosuch'"),
     ],
 )

@@ -206,3 +206,9 @@ def test_auto_draft_picks_the_shipped_heads_of_this_verifier(tmp_path, monkeypat
     assert isinstance(make_drafter("auto", None, tiny_random_model("mistral"), budget="fixed"), PromptLookupDrafter)
     with pytest.raises(UserError, match="trained for"):
         make_drafter("for-qwen", None, llama, budget="fixed")  # a shipped head by name, wrong verifier
+    from infer.tree import load_tree_spec
+
+    static = make_drafter("auto", load_tree_spec("chain-4"), llama, budget="fixed")  # a static tree: not for EAGLE
+    assert static.drafters[0].tree != load_tree_spec("chain-4") and static.drafters[1].tree == load_tree_spec("chain-4")
+    dynamic = make_drafter("auto", load_tree_spec("eagle2-32"), llama, budget="fixed")
+    assert dynamic.drafters[0].tree == load_tree_spec("eagle2-32")
