@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/specheads generate --verifier default --draft pld --max-new-tokens 128 --compare --prompt "$(PROMPT)"
+	$(BIN)/specheads generate --verifier default --draft auto --max-new-tokens 128 --compare --prompt "$(PROMPT)"
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -27,10 +27,10 @@ test: setup
 lint: setup
 	$(BIN)/ruff check heads infer train tests
 
-# the Spec-Bench table of BENCHMARKS.md (about 40 minutes on 2 cores)
+# the main Spec-Bench table of BENCHMARKS.md (about 40 minutes on 2 cores)
 bench: setup
-	$(BIN)/specheads bench --verifier default --draft pld --prompts ../shared/data/spec_bench.jsonl --limit 10 \
-		--max-new-tokens 128 --verify-cost --out results/bench-pld.json --plot results/bench-pld.png
+	$(BIN)/specheads bench --verifier default --draft default,default+pld --prompts ../shared/data/spec_bench.jsonl \
+		--limit 10 --max-new-tokens 256 --verify-cost --out results/bench-main.json --plot results/bench-main.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
