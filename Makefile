@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PROMPT ?= Summarize in two sentences: Speculative decoding lets a small draft propose several tokens that a large model then checks in a single forward pass, so the output stays exactly the same while fewer sequential steps are needed.
+PROMPT ?= A bakery sells 24 muffins in the morning and twice as many in the afternoon. Each muffin costs 3 dollars. How much money does the bakery make in one day? Explain step by step.
 
 .PHONY: setup demo test lint bench clean
 
@@ -27,7 +27,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check heads infer train tests
 
-# the main Spec-Bench table of BENCHMARKS.md (about 40 minutes on 2 cores)
+# the Spec-Bench table of BENCHMARKS.md at 10 prompts per category (about 70 minutes on 2 cores)
 bench: setup
 	$(BIN)/specheads bench --verifier default --draft default,default+pld --prompts ../shared/data/spec_bench.jsonl \
 		--limit 10 --max-new-tokens 256 --verify-cost --out results/bench-main.json --plot results/bench-main.png
