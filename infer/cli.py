@@ -101,7 +101,8 @@ def make_drafter(name: str, tree, model, budget: str = "auto"):
     """``auto`` (the shipped heads trained for ``model``, with prompt lookup; else prompt lookup),
     ``pld``, ``none``, the name of a head shipped in the package (``default``), a draft-head
     checkpoint (directory or Hub id) for ``model``, or several of them joined by ``+`` (e.g.
-    ``default+pld``: each step verifies the union of their drafts; ``tree`` shapes the first).
+    ``default+pld``: each step verifies the union of their drafts). ``tree`` shapes the first
+    drafter; under ``auto``, the first one that grows that kind of tree (prompt lookup grows any).
     With ``budget="auto"`` the verifier's cost curve is measured (a second or two) and drafts are
     sized by it."""
     from pathlib import Path
