@@ -55,4 +55,5 @@ def test_default_head_ships_small_and_in_half_precision():
     assert "F32" not in dtypes and "BF16" in dtypes
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["verifier"]["name"] == "default" and cfg["training"]["steps"] > 0
+    assert "_name_or_path" not in cfg["layer_config"]  # no path of the machine that trained it
     assert "estimated tau" in (d / "README.md").read_text()

@@ -69,7 +69,9 @@ def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
         kwargs = dict(num_heads=cfg.medusa_num_heads, num_layers=cfg.medusa_num_layers, own_lm_head=cfg.medusa_own_lm_head)
     if kind == "eagle3":
         kwargs = dict(draft_vocab_size=min(cfg.draft_vocab_size, spec.vocab_size), aux_layers=default_aux_layers(spec.num_layers))
-    hc = HeadConfig(kind, spec, layer_config=model.config.to_dict() if kind != "medusa" else {}, **kwargs)
+    # the architecture only: not where or how this machine loaded the verifier (a local path, GGUF)
+    layer_config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "quantization_config")}
+    hc = HeadConfig(kind, spec, layer_config=layer_config if kind != "medusa" else {}, **kwargs)
     head = build_head(hc)
     if kind == "eagle3":  # the most frequent response tokens form the draft vocabulary
         counts = response_token_counts(records, spec.vocab_size)
