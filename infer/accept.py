@@ -22,13 +22,30 @@ class Acceptance:
     """Accepted path and bonus token.
 
     Attributes:
-        nodes: ``[k]`` long, tree node indices from the root (always node 0) to the deepest
-            accepted node; ``k - 1`` draft tokens were accepted.
+        nodes: ``[k]`` long, on the tree's device: tree node indices from the root (always node 0)
+            to the deepest accepted node; ``k - 1`` draft tokens were accepted.
         bonus: the verifier's token after the last accepted node.
+        node_ids: the same ``k`` indices on the host.
+        tokens: the new tokens on the host: the accepted draft tokens (root excluded), then the bonus.
     """
 
     nodes: torch.Tensor
     bonus: int
+    node_ids: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+def _read_back(tokens: torch.Tensor, tree: Tree, end: torch.Tensor, bonus: torch.Tensor) -> Acceptance:
+    """The path from the root to node ``end`` (0-dim) and the ``bonus`` token (0-dim), read to the
+    host in one transfer: the only device read of a verify step."""
+    n = tree.num_nodes
+    on_path = tree.ancestor_mask[end]  # [N]: ancestors come first in topological order
+    path = torch.sort(torch.where(on_path, torch.arange(n, device=on_path.device), n)).values  # [N], padded with n
+    packed = torch.cat([on_path.sum().view(1), bonus.view(1).to(torch.long), path, tokens.to(path.device)[path.clamp(max=n - 1)]])
+    host = packed.tolist()
+    k, bonus_id = host[0], host[1]
+    return Acceptance(nodes=path[:k], bonus=bonus_id, node_ids=tuple(host[2 : 2 + k]),
+                      tokens=tuple(host[3 + n : 2 + n + k]) + (bonus_id,))
 
 
 def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -67,13 +84,23 @@ def greedy_accept(tokens: torch.Tensor, tree: Tree, target: torch.Tensor) -> Acc
 
     A node is accepted when its token equals the verifier's argmax at its parent and its parent
     is accepted; the longest such path is kept and ``target`` at its end is the bonus token, so
-    the output equals plain greedy decoding token for token.
+    the output equals plain greedy decoding token for token. Tensor operations on the tree's
+    device, one read back.
     """
-    tokens, target = tokens.cpu(), target.cpu()
-    match = torch.ones(tree.num_nodes, dtype=torch.bool)
+    tokens, target = tokens.to(tree.device), target.to(tree.device)
+    match = torch.ones(tree.num_nodes, dtype=torch.bool, device=tree.device)
     match[1:] = tokens[1:] == target[tree.parents[1:]]
     best = _deepest_valid(tree, match)
-    return Acceptance(nodes=tree.ancestor_mask[best].nonzero().flatten(), bonus=int(target[best]))
+    return _read_back(tokens, tree, best, target[best])
+
+
+def _sibling_before(tree: Tree) -> torch.Tensor:
+    """``[N, N]`` bool: ``[i, j]`` when ``j`` is an earlier sibling of ``i`` (tried before it)."""
+    n = tree.num_nodes
+    idx = torch.arange(n, device=tree.device)
+    same = (tree.parents[:, None] == tree.parents[None, :]) & (idx[None, :] < idx[:, None])
+    same[0] = False
+    return same
 
 
 def sample_accept(
@@ -99,35 +126,75 @@ def sample_accept(
     with probability ``min(1, r(x) / q_x(x))``; on rejection ``r <- norm(max(r - q_x, 0))`` and the
     next sibling is tried. When no child is accepted, the bonus token is drawn from ``r``. The
     emitted tokens are distributed exactly as sampling from ``p`` one token at a time.
+
+    One uniform per node is drawn up front; everything runs on the device with one read back.
+    For deterministic drafts (``q`` None) all nodes are decided at once: after rejecting the
+    earlier siblings ``x_1..x_{j-1}``, ``r(x_j) = p(x_j) / (1 - sum p(x_i))``.
     """
-    children = tree.children()
-    tok = tokens.tolist()
-    node, path = 0, [0]
-    residual = p[0]
-    while True:
-        for c in children[node]:
-            x = tok[c]
-            qc = q[c] if q is not None else None
-            qx = float(qc[x]) if qc is not None else 0.0
-            if qx <= 0.0:  # deterministic candidate
-                qc, qx = None, 1.0
-            r = float(torch.rand((), generator=generator, device=p.device))
-            if r * qx < float(residual[x]):
-                node = c
-                path.append(c)
-                residual = p[c]
-                break
-            if qc is None:
-                residual = residual.clone()
-                residual[x] = 0.0
-            else:
-                residual = (residual - qc).clamp_(min=0.0)
-            total = float(residual.sum())
-            # With exact arithmetic a rejection implies mass left; guard float round-off.
-            residual = residual / total if total > 1e-12 else p[node]
-        else:
-            bonus = int(torch.multinomial(residual, 1, generator=generator))
-            return Acceptance(nodes=torch.tensor(path, dtype=torch.long), bonus=bonus)
+    dev = p.device
+    tree = tree.to(dev)
+    tokens = tokens.to(dev)
+    n = tree.num_nodes
+    u = torch.rand(n, generator=generator, device=dev)
+    if q is not None:
+        return _sample_accept_q(tokens, tree, p, q.to(dev), u, generator)
+    parents = tree.parents.clamp(min=0)
+    px = p[parents, tokens]  # [N]: p of each node's token at its parent
+    before = _sibling_before(tree)
+    dup = (before & (tokens[None, :] == tokens[:, None])).any(-1)  # a repeated sibling is never accepted
+    px = torch.where(dup, 0.0, px)
+    tried_mass = (before.float() * px[None, :]).sum(-1)  # p-mass of the earlier siblings
+    left = (1.0 - tried_mass).clamp(min=0.0)
+    ok = u * left < px  # accepted, had it been tried
+    ok[0] = True
+    first = ok & ~(before & ok[None, :]).any(-1)  # the first accepted sibling is the one taken
+    end = _deepest_valid(tree, first)
+    children = (tree.parents == end) & (torch.arange(n, device=dev) > 0)  # all tried and rejected
+    residual = p[end]
+    drop = torch.zeros(p.shape[-1] + 1, dtype=torch.bool, device=dev)
+    drop[torch.where(children, tokens, p.shape[-1])] = True
+    residual = residual.masked_fill(drop[:-1], 0.0)
+    total = residual.sum()
+    residual = torch.where(total > 1e-12, residual / total.clamp(min=1e-30), p[end])
+    bonus = torch.multinomial(residual, 1, generator=generator)[0]
+    return _read_back(tokens, tree, end, bonus)
+
+
+def _sample_accept_q(tokens, tree: Tree, p, q, u, generator) -> Acceptance:
+    """``sample_accept`` for drafts that report their ``q``: sibling by sibling, but with tensor
+    operations only (a fixed number of steps: depth x width), so nothing is read mid-way."""
+    dev = p.device
+    n, vocab = tree.num_nodes, p.shape[-1]
+    before = _sibling_before(tree)
+    rank = before.sum(-1)  # [N]: position among siblings
+    idx = torch.arange(n, device=dev)
+    node = torch.zeros((), dtype=torch.long, device=dev)
+    done = torch.zeros((), dtype=torch.bool, device=dev)
+    residual = p[0].clone()
+    for _ in range(tree.max_depth):
+        moved = torch.zeros((), dtype=torch.bool, device=dev)
+        for j in range(max(tree.width, 1)):
+            is_child = (tree.parents == node) & (rank == j) & (idx > 0)
+            exists = is_child.any() & ~done & ~moved
+            c = torch.where(is_child, idx, 0).max()
+            x = tokens[c]
+            qc = q[c]
+            qx = qc[x]
+            det = qx <= 0.0  # deterministic candidate: one-hot q
+            qx = torch.where(det, 1.0, qx)
+            accept = exists & (u[c] * qx < residual[x])
+            reject = exists & ~accept
+            onehot = torch.zeros(vocab, device=dev).index_fill_(0, x.view(1), 1.0)
+            qvec = torch.where(det, onehot, qc)
+            rejected = (residual - qvec).clamp(min=0.0)
+            total = rejected.sum()
+            rejected = torch.where(total > 1e-12, rejected / total.clamp(min=1e-30), p[node])
+            residual = torch.where(accept, p[c], torch.where(reject, rejected, residual))
+            node = torch.where(accept, c, node)
+            moved = moved | accept
+        done = done | ~moved
+    bonus = torch.multinomial(residual, 1, generator=generator)[0]
+    return _read_back(tokens, tree, node, bonus)
 
 
 def typical_accept(
@@ -151,12 +218,13 @@ def typical_accept(
     accepted path is kept and the bonus token is sampled from the verifier at its end.
     """
     probs = probs.float()
+    tree = tree.to(probs.device)
     entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # [N]
     threshold = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * entropy.neg().exp())
     tokens = tokens.to(probs.device)
-    parents = tree.parents.to(probs.device)
+    parents = tree.parents
     ok = torch.ones(tree.num_nodes, dtype=torch.bool, device=probs.device)
     ok[1:] = probs[parents[1:], tokens[1:]] > threshold[parents[1:]]
-    best = _deepest_valid(tree, ok.cpu())
-    bonus = int(torch.multinomial(probs[best], 1, generator=generator))
-    return Acceptance(nodes=tree.ancestor_mask[best].nonzero().flatten(), bonus=bonus)
+    best = _deepest_valid(tree, ok)
+    bonus = torch.multinomial(probs[best], 1, generator=generator)[0]
+    return _read_back(tokens, tree, best, bonus)

@@ -8,7 +8,12 @@ that cost. :class:`VerifyCost` holds the measured curve (``specheads cost`` meas
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class VerifyCost:
                 return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
         raise AssertionError("unreachable")
 
+    def table(self, n_max: int, device=None) -> torch.Tensor:
+        """``[n_max + 1]``: ``self(max(n, 1))`` for ``n = 0..n_max``, on ``device`` (cached)."""
+        return _table(self, n_max, str(device or "cpu"))
+
     @classmethod
     def from_measurement(cls, measured: dict, min_token_seconds: float = 2e-3) -> VerifyCost | None:
         """From :func:`infer.bench.measure_verify_cost`'s result, made non-decreasing (a bigger
@@ -49,6 +58,84 @@ class VerifyCost:
             top = max(top, rel[n])
             values.append(top)
         return cls(tuple(nodes), tuple(values))
+
+
+@lru_cache(maxsize=64)
+def _table(cost: VerifyCost, n_max: int, device: str) -> torch.Tensor:
+    return torch.tensor([cost(max(n, 1)) for n in range(n_max + 1)], dtype=torch.float32, device=device)
+
+
+#: node-count buckets of :class:`OnlineCost` (upper bounds)
+_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1 << 30)
+
+
+class OnlineCost:
+    """The verify-cost curve as the engine measures it, step by step.
+
+    Starts from a ``prior`` curve (relative times, e.g. the probe at load or :data:`DEFAULT_COST`)
+    and takes every verify pass the engine times (:meth:`observe`). Node counts are bucketed
+    (1, 2, 3-4, 5-8, ...); a bucket with ``min_samples`` recent passes contributes the median of
+    its last ``window`` (node count, seconds) pairs, so one slow step (another process on the
+    machine, a page fault) moves nothing. Buckets without enough passes follow the prior, scaled
+    by the median ratio of measured to prior times. The curve is made non-decreasing and is
+    relative to one token, like :class:`VerifyCost`, which it can be used in place of."""
+
+    def __init__(self, prior: VerifyCost | None = None, *, window: int = 15, min_samples: int = 3, refresh: int = 4):
+        self.prior = prior or DEFAULT_COST
+        self.window, self.min_samples, self.refresh = window, min_samples, refresh
+        self._samples: dict[int, deque] = {}
+        self._pending = 0
+        self._curve: VerifyCost = self.prior
+        self._seconds_1: float | None = None
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        """One verify pass over ``nodes`` tree nodes took ``seconds``."""
+        if nodes < 1 or not seconds > 0:
+            return
+        b = next(i for i, top in enumerate(_BUCKETS) if nodes <= top)
+        self._samples.setdefault(b, deque(maxlen=self.window)).append((nodes, seconds))
+        self._pending += 1
+        if self._pending >= self.refresh:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._pending = 0
+        points = {}
+        for samples in self._samples.values():
+            if len(samples) >= self.min_samples:
+                n = statistics.median(s[0] for s in samples)
+                points[n] = statistics.median(s[1] for s in samples)
+        if not points:
+            return
+        scale = statistics.median(sec / self.prior(n) for n, sec in points.items())
+        for n in self.prior.nodes:  # the prior's shape where nothing was measured nearby
+            if not any(abs(n - m) <= 0.25 * n for m in points):
+                points[float(n)] = scale * self.prior(n)
+        xs = sorted(points)
+        values, top = [], 0.0
+        for x in xs:
+            top = max(top, points[x])
+            values.append(top)
+        one = values[0] if xs[0] <= 1 else scale * self.prior(1)
+        xs, values = [1.0] + [x for x in xs if x > 1], [one] + [v for x, v in zip(xs, values) if x > 1]
+        self._seconds_1 = one
+        self._curve = VerifyCost(tuple(xs), tuple(max(v / one, 1.0) for v in values))
+
+    @property
+    def curve(self) -> VerifyCost:
+        """The current estimate as a :class:`VerifyCost`."""
+        return self._curve
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Estimated seconds of a one-token verify pass (None before enough measurements)."""
+        return self._seconds_1
+
+    def __call__(self, n: int) -> float:
+        return self._curve(n)
+
+    def table(self, n_max: int, device=None) -> torch.Tensor:
+        return self._curve.table(n_max, device)
 
 
 #: Measured with `specheads cost` for the default verifier on the 2-core CPU machine (BENCHMARKS.md).

@@ -38,13 +38,20 @@ class Draft:
     tree: Tree
     q: torch.Tensor | None = None
 
+    def to(self, device) -> Draft:
+        """The same draft on ``device`` (asynchronous copies; itself when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        q = self.q.to(device, non_blocking=True) if self.q is not None else None
+        return Draft(self.tokens.to(device, non_blocking=True), self.tree.to(device), q)
+
 
 _SINGLE = build_tree([-1])
 
 
-def root_only(root: int) -> Draft:
-    """The trivial draft: just the root (one plain decoding step)."""
-    return Draft(torch.tensor([root], dtype=torch.long), _SINGLE)
+def root_only(root: int, device=None) -> Draft:
+    """The trivial draft: just the root (one plain decoding step), on ``device``."""
+    return Draft(torch.tensor([root], dtype=torch.long, device=device), _SINGLE.to(device) if device is not None else _SINGLE)
 
 
 class Drafter(ABC):
@@ -178,7 +185,6 @@ class PromptLookupDrafter(Drafter):
                     if len(found) == branches:
                         return found
         return found
-        return found
 
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
         depth, budget, branches = _budget(tree or self.tree)
@@ -215,39 +221,44 @@ class PromptLookupDrafter(Drafter):
         return Draft(torch.tensor(tokens, dtype=torch.long), tree_)
 
 
-def merge_drafts(drafts: list[Draft]) -> Draft:
+def merge_drafts(drafts: list[Draft], device=None) -> Draft:
     """The union of deterministic drafts with the same root, as one trie: a path drafted by
-    several of them appears once. Nodes keep their order (parents before children).
+    several of them appears once. Nodes keep their order (parents before children). Built on
+    the host (one read of each draft), then placed on ``device`` (default: the first draft's).
 
     ``drafts``: ``k`` drafts of ``[N_i]`` tokens -> a draft of ``<= 1 + sum(N_i - 1)`` tokens."""
-    root = int(drafts[0].tokens[0])
-    if any(int(d.tokens[0]) != root for d in drafts):
+    host = [(d.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
+    root = host[0][0][0]
+    if any(toks[0] != root for toks, _ in host):
         raise ValueError("drafts to merge must share their root token")
     tokens, parents = [root], [-1]
     trie: dict[tuple[int, int], int] = {}
-    for d in drafts:
-        where = [0] * d.tokens.numel()  # node of d -> merged node
-        for i in range(1, d.tokens.numel()):
-            key = (where[int(d.tree.parents[i])], int(d.tokens[i]))
+    for toks, pars in host:
+        where = [0] * len(toks)  # node of this draft -> merged node
+        for i in range(1, len(toks)):
+            key = (where[pars[i]], toks[i])
             if key not in trie:
                 trie[key] = len(tokens)
                 tokens.append(key[1])
                 parents.append(key[0])
             where[i] = trie[key]
-    return Draft(torch.tensor(tokens, dtype=torch.long), build_tree(parents))
+    device = device if device is not None else drafts[0].tokens.device
+    return Draft(torch.tensor(tokens, dtype=torch.long, device=device), build_tree(parents, device=device))
 
 
 class UnionDrafter(Drafter):
     """Several drafters at once (e.g. a trained head and prompt lookup): each step verifies the
     union of their trees, so each one's strength counts (the head for fresh text, prompt lookup
-    for text copied from the context). Greedy only: when sampling, the first drafter alone
-    proposes (exact tree rejection sampling needs one proposal distribution per node)."""
+    for text copied from the context). Their drafts are deterministic, so the union is exact
+    when sampling too; a member that reports a ``q`` (drawn children) drafts alone then, as exact
+    tree rejection sampling needs one proposal distribution per node."""
 
     def __init__(self, drafters: list[Drafter]):
         if len(drafters) < 2:
             raise ValueError("a union needs at least two drafters")
         self.drafters = drafters
         self.tree = drafters[0].tree
+        self.cost = next((d.cost for d in drafters if getattr(d, "cost", None) is not None), None)
         layers: list[int] = []
         for d in drafters:
             layers += [x for x in d.feature_layers if x not in layers]
@@ -269,8 +280,10 @@ class UnionDrafter(Drafter):
 
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
         first = self.drafters[0].propose(root, tree=tree, max_depth=max_depth, generator=generator)
-        if generator is not None:
+        if first.q is not None:
             return first
-        rest = [d.propose(root, tree=None, max_depth=max_depth, generator=None) for d in self.drafters[1:]]
-        return merge_drafts([first, *rest])
-
+        drafts = [first] + [d.propose(root, tree=None, max_depth=max_depth, generator=generator) for d in self.drafters[1:]]
+        drafts = [d for d in drafts if d.q is None and d.tree.num_nodes > 1]
+        if len(drafts) <= 1:  # nothing to merge: no device read
+            return (drafts[0] if drafts else first).to(first.tokens.device)
+        return merge_drafts(drafts, device=first.tokens.device)

@@ -121,11 +121,6 @@ class _Stopper:
         return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def stream(
     verifier,
     drafter: Drafter | None,
@@ -181,6 +176,8 @@ def stream(
 def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, generator, tree, acceptance):
     stats = GenerationStats()
     dev = verifier.device
+    # the engine times every verify pass; a drafter whose cost curve learns from them gets them
+    observe = getattr(getattr(drafter, "cost", None), "observe", None)
     t0 = time.perf_counter()
     out = verifier.prefill(ids)
     drafter.begin(ids, out.features)
@@ -189,7 +186,6 @@ def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, ge
     else:
         probs = warp_probs(out.logits[-1], max(temperature, 1e-5), top_k, top_p)
         root = int(torch.multinomial(probs, 1, generator=generator))
-    _sync(dev)
     stats.prefill_s = time.perf_counter() - t0
     t_dec = time.perf_counter()
     emitted = stopper.feed([root])
@@ -205,6 +201,8 @@ def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, ge
         t1 = time.perf_counter()
         remaining = stopper.max_new - len(stopper.tokens)
         draft = drafter.propose(root, tree=tree, max_depth=remaining - 1, generator=None if greedy else generator)
+        draft = draft.to(dev)
+        n = draft.tree.num_nodes
         t2 = time.perf_counter()
         vout = verifier.verify(draft.tokens, draft.tree)
         if greedy:
@@ -214,22 +212,22 @@ def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, ge
             acc = typical_accept(draft.tokens, draft.tree, probs, generator=generator)
         else:
             probs = warp_probs(vout.logits, temperature, top_k, top_p)
-            q = draft.q.to(probs.device) if draft.q is not None else None
-            acc = sample_accept(draft.tokens, draft.tree, probs, q, generator)
-        _sync(dev)
-        t3 = time.perf_counter()
-        verifier.commit(acc.nodes)
-        feats = vout.features[acc.nodes.to(vout.features.device)] if vout.features is not None else None
-        drafter.update(draft.tokens[acc.nodes], feats)
-        chunk = draft.tokens[acc.nodes[1:]].tolist() + [acc.bonus]
+            acc = sample_accept(draft.tokens, draft.tree, probs, draft.q, generator)
+        t3 = time.perf_counter()  # the acceptance's one read back waited for the verify pass
+        if observe is not None:
+            observe(n, t3 - t2)
+        verifier.commit(acc.nodes, acc.node_ids)
+        feats = vout.features[acc.nodes] if vout.features is not None else None
+        drafter.update(torch.tensor((root,) + acc.tokens[:-1], dtype=torch.long), feats)
+        chunk = list(acc.tokens)
         emitted = stopper.feed(chunk)
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.verify_steps += 1
-        stats.tree_nodes += draft.tree.num_nodes
-        if len(stats.nodes_hist) <= draft.tree.num_nodes:
-            stats.nodes_hist.extend([0] * (draft.tree.num_nodes + 1 - len(stats.nodes_hist)))
-        stats.nodes_hist[draft.tree.num_nodes] += 1
+        stats.tree_nodes += n
+        if len(stats.nodes_hist) <= n:
+            stats.nodes_hist.extend([0] * (n + 1 - len(stats.nodes_hist)))
+        stats.nodes_hist[n] += 1
         stats.new_tokens += len(emitted)
         if len(stats.accepted_hist) <= len(chunk):
             stats.accepted_hist.extend([0] * (len(chunk) + 1 - len(stats.accepted_hist)))

@@ -1,18 +1,38 @@
 """Drafters backed by trained heads (``heads``): Medusa on a static tree, EAGLE-1/3 on a
-dynamic EAGLE-2 tree. Both read the verifier's hidden states through ``feature_layers``."""
+dynamic EAGLE-2 tree. Both read the verifier's hidden states through ``feature_layers``.
+
+Everything runs on the verifier's device in the verifier's dtype (a head follows its verifier
+whatever dtype it was saved in). EAGLE drafting reads the device at most once per draft depth
+(whether a deeper level can still change the tree) plus once for the node budget; Medusa never.
+
+EAGLE drafters also keep score of themselves (:class:`Calibration`, :class:`Gate`): how often
+their predictions come true against how often they said they would (per depth), which rescales
+the probabilities that size each tree; and whether drafting has been paying at all, so that a
+head that is not being accepted stops drafting (and stops running: a skipped step costs no head
+pass; the committed tokens it missed are fed to it in one batch when it drafts again).
+"""
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from heads import Eagle3Head, MedusaHeads, load_head
-from heads.modules import DraftHead, _float_mask
+from heads.modules import DraftHead
+from heads.modules import _float_mask as additive_mask
 
 from .drafters import Draft, Drafter, root_only
 from .errors import UserError
-from .tree import DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
+from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
 from .verifier import crop_cache
+
+
+def _verifier_place(verifier_model) -> tuple[torch.device, torch.dtype]:
+    w = verifier_model.get_input_embeddings().weight
+    return w.device, w.dtype
 
 
 class MedusaDrafter(Drafter):
@@ -20,7 +40,8 @@ class MedusaDrafter(Drafter):
     ``d - 1``'s ``rd``-th most likely token. Deterministic (``q`` is one-hot)."""
 
     def __init__(self, head: MedusaHeads, verifier_model, tree: StaticTreeSpec | None = None):
-        self.head = head.eval()
+        self.device, self.dtype = _verifier_place(verifier_model)
+        self.head = head.to(device=self.device, dtype=self.dtype).eval()
         self.lm_head = None if head.lm_heads is not None else verifier_model.get_output_embeddings()
         self.feature_layers = (-1,)
         self.tree = tree or load_tree_spec("medusa-16")
@@ -40,7 +61,9 @@ class MedusaDrafter(Drafter):
             n = sum(1 for c in nodes if len(c) <= depth)  # nodes are sorted by depth
             ranks = [c[-1] for c in nodes[1:n]]
             heads_ = [len(c) - 1 for c in nodes[1:n]]
-            self._trees[key] = (build_tree(parents[:n]), torch.tensor(heads_), torch.tensor(ranks), max(ranks, default=0) + 1)
+            dev = self.device
+            self._trees[key] = (build_tree(parents[:n], device=dev), torch.tensor(heads_, device=dev),
+                                torch.tensor(ranks, device=dev), max(ranks, default=0) + 1)
         return self._trees[key]
 
     @torch.inference_mode()
@@ -50,73 +73,181 @@ class MedusaDrafter(Drafter):
             raise UserError("Medusa heads fill a static tree: pass a static tree (e.g. medusa-16 or chain:4)")
         depth = min(max_depth, spec.depth, self.head.config.num_heads)
         if depth <= 0:
-            return root_only(root)
+            return root_only(root, self.device)
         shape, head_idx, ranks, top = self._shape(spec, depth)
         logits = self.head(self._feat, self.lm_head)  # [K, V]
-        topk = logits[:depth].topk(top, dim=-1).indices.cpu()  # [depth, top]
-        tokens = torch.cat([torch.tensor([root]), topk[head_idx, ranks]])
-        return Draft(tokens, shape)
+        topk = logits[:depth].topk(top, dim=-1).indices  # [depth, top]
+        root_t = torch.full((1,), root, dtype=torch.long, device=self.device)
+        return Draft(torch.cat([root_t, topk[head_idx, ranks]]), shape)
+
+
+@dataclass
+class Calibration:
+    """How often a head's drafted children are accepted against how often it predicted, per
+    depth, on the drafting device. At a node on the accepted path that had children, the head
+    predicted that one of them would be accepted with the sum of their conditional
+    probabilities, and one was or was not. ``log_scale`` gives per-depth log multipliers of the
+    head's conditional probabilities (``prior`` pseudo-observations keep them near 1 at first)."""
+
+    predicted: torch.Tensor  # [D] float
+    observed: torch.Tensor  # [D] float
+    prior: float = 2.0
+
+    @classmethod
+    def new(cls, depth: int, device) -> Calibration:
+        return cls(torch.zeros(depth, device=device), torch.zeros(depth, device=device))
+
+    def log_scale(self) -> torch.Tensor:
+        """``[D]``: log of (observed + prior) / (predicted + prior), clamped to [-3, 1.5]."""
+        return ((self.observed + self.prior) / (self.predicted + self.prior)).log().clamp(-3.0, 1.5)
+
+    def forget(self, keep: float = 0.5) -> None:
+        """Fade older evidence (called when a new generation starts)."""
+        self.predicted.mul_(keep)
+        self.observed.mul_(keep)
+
+    def record(self, draft: DynamicTree, committed: torch.Tensor) -> torch.Tensor:
+        """Compare ``draft`` with the ``committed [k]`` tokens (its root, then what was accepted:
+        by this draft or another drafter's). Returns the number of this draft's nodes that were
+        accepted (0-dim, on the device)."""
+        tree, tokens = draft.tree, draft.tokens
+        k = committed.numel()
+        depth = tree.depths
+        within = (depth >= 1) & (depth <= k - 1)
+        match = within & (tokens == committed[depth.clamp(max=k - 1)])
+        match[0] = True
+        on_path = ~(tree.ancestor_mask & ~match[None, :]).any(-1)  # [N]
+        parents = tree.parents.clamp(min=0)
+        cond = (draft.scores - draft.scores[parents]).exp()  # [N]: q of each node given its parent
+        n = tokens.numel()
+        kids = torch.zeros(n, device=cond.device).index_add_(0, parents[1:], cond[1:])
+        has_kids = torch.zeros(n, device=cond.device).index_add_(0, parents[1:], torch.ones_like(cond[1:])) > 0
+        asked = (on_path & has_kids).float()
+        d_max = self.predicted.numel()
+        level = depth.clamp(max=d_max - 1)
+        self.predicted.index_add_(0, level, kids * asked)
+        hit = (on_path & (depth >= 1)).float()
+        self.observed.index_add_(0, (depth - 1).clamp(min=0, max=d_max - 1), hit)
+        return hit.sum()
+
+
+@dataclass
+class Gate:
+    """Whether drafting pays, per generation: an exponential moving average of each drafted
+    step's gain (tokens it emitted over its cost in single-token verify passes, drafting
+    included; 1.0 = as fast as not drafting). Below 1, drafting pauses for ``backoff`` steps and
+    then probes once; every failed probe doubles the pause (up to ``max_backoff``), a probe that
+    pays resumes drafting. The average lives on the device; it is read once per drafted step."""
+
+    ema: torch.Tensor
+    backoff: int = 1
+    skip: int = 0
+    max_backoff: int = 16
+    alpha: float = 0.3
+
+    @classmethod
+    def new(cls, device, start: float = 1.2) -> Gate:
+        return cls(torch.full((), start, device=device))
+
+    def should_draft(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, gain: torch.Tensor) -> None:
+        """One drafted step's ``gain`` (0-dim): a probe after a pause counts on its own."""
+        self.ema = gain.clone() if self.backoff > 1 else (1 - self.alpha) * self.ema + self.alpha * gain
+        if bool(self.ema > 1.0):
+            self.backoff, self.skip = 1, 0
+        else:
+            self.skip = self.backoff
+            self.backoff = min(2 * self.backoff, self.max_backoff)
 
 
 class EagleDrafter(Drafter):
     """EAGLE-1 / EAGLE-3 drafting on an EAGLE-2 dynamic tree.
 
     The head keeps its own KV cache over the committed context: position ``j`` holds the pair
-    (verifier feature at ``j``, token ``j + 1``). Proposing runs the head once per tree depth on
-    the frontier nodes (a tree mask over the cache, as in the verifier); :meth:`update` drops the
-    tree and appends the accepted tokens with the verifier's true features.
+    (verifier feature at ``j``, token ``j + 1``). Proposing first feeds the head the committed
+    pairs it has not seen (one batched pass), then runs it once per tree depth on the frontier
+    nodes, with a tree mask over its cache built on the device from the tree's tensors.
+
+    ``cost`` (an :class:`~infer.cost.OnlineCost` or a fixed curve) sizes each tree; with
+    ``adaptive``, the head's confidences are calibrated against what is accepted and drafting
+    pauses while it does not pay (see :class:`Calibration`, :class:`Gate`). ``prune=False``
+    drafts every depth (for tests).
     """
 
-    def __init__(self, head: DraftHead, verifier_model, tree: DynamicTreeSpec | None = None, cost=None):
-        self.head = head.eval()
-        self.cost = cost  # a VerifyCost: choose the node budget per step (None: always tree.num_nodes)
+    def __init__(self, head: DraftHead, verifier_model, tree: DynamicTreeSpec | None = None, cost=None, *,
+                 adaptive: bool = True, prune: bool = True):
+        self.device, self.dtype = _verifier_place(verifier_model)
+        self.head = head.to(device=self.device, dtype=self.dtype).eval()
+        self.cost = cost  # sizes the tree per step (None: always tree.num_nodes)
+        self.adaptive, self.prune = adaptive, prune
         self.eagle3 = isinstance(head, Eagle3Head)
         self.embed = verifier_model.get_input_embeddings()
         self.lm_head = verifier_model.get_output_embeddings()
-        self.vocab_size = int(self.lm_head.weight.shape[0])
         self.feature_layers = head.config.feature_layers
         self.tree = tree or DynamicTreeSpec(depth=5, top_k=4, num_nodes=16)
-        self.vocab_map = head.target_ids(torch.arange(head.config.draft_vocab_size)) if self.eagle3 else None
+        vd = head.config.draft_vocab_size
+        self.vocab_map = self.head.target_ids(torch.arange(vd, device=self.device)) if self.eagle3 else None
+        self._calibration: dict[tuple[bool, int], Calibration] = {}
+        self.gate = Gate.new(self.device)
+        self._last: tuple | None = None
+        self.cache = DynamicCache()
+        self.length = 0
 
-    @property
-    def dtype(self):
-        return self.head.fc.weight.dtype
+    # ---- the committed context -----------------------------------------------------------------
 
-    def _features(self, features: torch.Tensor) -> torch.Tensor:
+    def _fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Verifier features ``[T, F, h]`` -> head input features ``[T, h]``."""
         features = features.to(self.dtype)
         return self.head.fuse(features) if self.eagle3 else features[:, 0]
 
-    def _run(self, feats, tokens, positions, allowed) -> torch.Tensor:
-        """Run the head on ``k`` pairs; ``allowed [k, S]`` bool over cache + new -> hidden ``[k, h]``."""
-        dev = self.embed.weight.device
-        embeds = self.embed(tokens.to(dev)).to(self.dtype)
-        mask = _float_mask(allowed[None].to(dev), self.dtype)
-        out = self.head(feats[None].to(dev), embeds[None], positions[None].to(dev), mask, self.cache)
-        return out[0]
-
-    def _extend(self, feats, tokens) -> None:
-        k = tokens.numel()
-        if k == 0:
-            return
-        allowed = torch.ones(k, self.length + k, dtype=torch.bool).tril(diagonal=self.length)
-        self._run(feats, tokens, torch.arange(self.length, self.length + k), allowed)
-        self.length += k
+    def _run(self, feats, tokens, positions, mask) -> torch.Tensor:
+        """The head on ``k`` pairs with an additive ``mask [k, S]`` over cache + new -> ``[k, h]``."""
+        embeds = self.embed(tokens).to(self.dtype)
+        return self.head(feats[None], embeds[None], positions[None], mask[None, None], self.cache)[0]
 
     @torch.inference_mode()
     def begin(self, prompt_ids, features) -> None:
         self.cache = DynamicCache()
         self.length = 0
-        feats = self._features(features)
-        self._extend(feats[:-1], prompt_ids[1:])
-        self.pending = feats[-1]
+        self._feats = [features]  # verifier features at positions length .. T - 1 (not yet fed)
+        self._tokens = [prompt_ids[1:].to(self.device, non_blocking=True)]  # tokens length + 1 .. T - 1
+        self._last = None
+        self.gate = Gate.new(self.device)
+        for cal in self._calibration.values():
+            cal.forget()
 
     @torch.inference_mode()
     def update(self, tokens, features) -> None:
+        tokens = tokens.to(self.device, non_blocking=True)
+        if self._last is not None:
+            draft, key, seconds = self._last
+            self._last = None
+            accepted = self._calibration[key].record(draft, tokens)
+            if self.adaptive and self.cost is not None and getattr(self.cost, "seconds_per_token", None):
+                spent = self.cost(draft.tokens.numel()) + seconds / self.cost.seconds_per_token
+                self.gate.record((1.0 + accepted) / spent)
+        self._feats.append(features)
+        self._tokens.append(tokens)
+
+    def _catch_up(self) -> None:
+        """Feed the head every committed pair it has not seen, in one pass."""
         crop_cache(self.cache, self.length)
-        feats = self._features(features)
-        self._extend(torch.cat([self.pending[None], feats[:-1]]), tokens)
-        self.pending = feats[-1]
+        feats = torch.cat(self._feats) if len(self._feats) > 1 else self._feats[0]
+        tokens = torch.cat(self._tokens) if len(self._tokens) > 1 else self._tokens[0]
+        k = tokens.numel()
+        if k:
+            allowed = torch.ones(k, self.length + k, dtype=torch.bool, device=self.device).tril(diagonal=self.length)
+            positions = torch.arange(self.length, self.length + k, device=self.device)
+            self._run(self._fuse(feats[:k]), tokens, positions, additive_mask(allowed, self.dtype)[0])
+            self.length += k
+        self._feats, self._tokens = [feats[k:]], [tokens[:0]]
+
+    # ---- drafting ------------------------------------------------------------------------------
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head.logits(hidden) if self.eagle3 else self.lm_head(hidden)
@@ -127,32 +258,51 @@ class EagleDrafter(Drafter):
         spec = tree or self.tree
         if not isinstance(spec, DynamicTreeSpec):
             raise UserError("EAGLE heads grow a dynamic tree: pass a dynamic tree (e.g. eagle2-16 or dynamic:5,4,16)")
-        if max_depth <= 0:
-            return root_only(root)
-        crop_cache(self.cache, self.length)
-        slot: dict[int, int] = {}
-        anc: dict[int, list[int]] = {}
-        hidden: dict[int, torch.Tensor] = {}
-        pos: dict[int, int] = {}
+        if max_depth <= 0 or (self.adaptive and not self.gate.should_draft()):
+            return root_only(root, self.device)
+        t0 = time.perf_counter()
+        self._catch_up()
+        pending = self._fuse(self._feats[0][-1:])  # [1, h]: the feature the root pairs with
+        depth = min(spec.depth, max_depth)
+        key = (generator is not None, spec.depth)
+        cal = self._calibration.setdefault(key, Calibration.new(spec.depth, self.device))
+        width = spec.top_k
+        slots = 1 + (depth - 1) * width  # head passes: the root, then <= top_k frontier nodes per depth
+        hidden = torch.empty(slots, pending.shape[-1], dtype=self.dtype, device=self.device)
+        slot_anc = torch.zeros(slots, slots, dtype=torch.bool, device=self.device)
+        cand_slot = torch.zeros(1 + depth * width * width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(width, self.length + slots, dtype=self.dtype, device=self.device)
+        low = torch.finfo(self.dtype).min
+        state = {"slots": 0, "depth": 0}
 
         def expand(ids, parents, toks):
-            k, start = len(ids), self.length + len(slot)
-            feats = torch.stack([self.pending if p < 0 else hidden[p] for p in parents.tolist()])
-            positions = torch.tensor([self.length if p < 0 else pos[p] + 1 for p in parents.tolist()])
-            allowed = torch.zeros(k, start + k, dtype=torch.bool)
-            allowed[:, : self.length] = True
-            for r, (i, p) in enumerate(zip(ids.tolist(), parents.tolist())):
-                anc[i] = [] if p < 0 else anc[p] + [slot[p]]
-                allowed[r, anc[i]] = True
-                allowed[r, start + r] = True
-            out = self._run(feats, toks, positions, allowed)
-            for r, i in enumerate(ids.tolist()):
-                slot[i], hidden[i], pos[i] = start + r, out[r], int(positions[r])
+            k, s, d = ids.numel(), state["slots"], state["depth"]
+            new = torch.arange(s, s + k, device=self.device)
+            if d == 0:
+                feats = pending
+                slot_anc[0, 0] = True
+            else:
+                ps = cand_slot[parents]
+                feats = hidden[ps]
+                slot_anc[s : s + k] = slot_anc[ps]
+                slot_anc[new, new] = True
+            cand_slot[ids] = new
+            m = mask[:k, : self.length + s + k]  # committed prefix: 0 (visible); then the tree part
+            m[:, self.length :] = torch.where(slot_anc[s : s + k, : s + k], 0.0, low).to(self.dtype)
+            positions = torch.full((k,), self.length + d, dtype=torch.long, device=self.device)
+            out = self._run(feats, toks, positions, m)
+            hidden[s : s + k] = out
+            state["slots"], state["depth"] = s + k, d + 1
             return self._logprobs(out)
 
-        t = grow_dynamic_tree(expand, root, spec, max_depth=max_depth, generator=generator,
-                              vocab_map=self.vocab_map, vocab_size=self.vocab_size, cost=self.cost)
-        return Draft(t.tokens, build_tree(t.parents), t.q)
+        log_scale = cal.log_scale() if self.adaptive else None
+        t = grow_dynamic_tree(expand, torch.full((), root, dtype=torch.long, device=self.device), spec,
+                              max_depth=depth, vocab_map=self.vocab_map, cost=self.cost, prune=self.prune,
+                              log_scale=log_scale, device=self.device)
+        crop_cache(self.cache, self.length)
+        if t.tokens.numel() > 1 or self.adaptive:
+            self._last = (t, key, time.perf_counter() - t0)
+        return Draft(t.tokens, t.tree)
 
 
 def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None) -> Drafter:
@@ -175,7 +325,8 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None) -
         from peft import PeftModel
 
         PeftModel.from_pretrained(verifier_model, str(adapter)).merge_and_unload()
-    head = head.to(next(verifier_model.parameters()).device)
     if isinstance(head, MedusaHeads):
         return MedusaDrafter(head, verifier_model, tree)
     return EagleDrafter(head, verifier_model, tree, cost)
+
+

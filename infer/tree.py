@@ -13,7 +13,6 @@ presets of both live as JSON files in ``configs/trees/`` and load with :func:`lo
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -26,21 +25,24 @@ from .errors import UserError
 
 @dataclass(frozen=True)
 class Tree:
-    """The topology of a draft tree.
+    """The topology of a draft tree. Its tensors live on one device (the verifier's, once
+    drafted there); the two ints are known on the host, so nothing about a tree's shape ever
+    needs a device read.
 
     Attributes:
         parents: ``[N]`` long; ``parents[0] == -1`` and ``parents[i] < i``.
         depths: ``[N]`` long; the root has depth 0.
         ancestor_mask: ``[N, N]`` bool; ``[i, j]`` is True when ``j`` is ``i`` or an ancestor of ``i``
             (row ``i`` is what node ``i`` may attend to inside the tree).
-        paths: ``[L, D + 1]`` long; one row per leaf, the node indices from the root to that leaf,
-            right-padded with -1 (Medusa's "retrieve indices").
+        max_depth: the deepest node's depth (host int).
+        width: an upper bound on any node's number of children (host int).
     """
 
     parents: torch.Tensor
     depths: torch.Tensor
     ancestor_mask: torch.Tensor
-    paths: torch.Tensor
+    max_depth: int
+    width: int
 
     @property
     def num_nodes(self) -> int:
@@ -48,18 +50,44 @@ class Tree:
 
     @property
     def depth(self) -> int:
-        return int(self.depths.max())
+        return self.max_depth
+
+    @property
+    def device(self) -> torch.device:
+        return self.parents.device
+
+    def to(self, device) -> Tree:
+        """The same tree with its tensors on ``device`` (asynchronous copies)."""
+        if self.parents.device == torch.device(device):
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Tree(move(self.parents), move(self.depths), move(self.ancestor_mask), self.max_depth, self.width)
 
     def children(self) -> list[list[int]]:
-        """Children of every node, in index order (the order in which siblings are tried)."""
+        """Children of every node, in index order (the order in which siblings are tried).
+        Reads the tree back to the host: for tests and tools, not the decoding loop."""
         kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
         for i, p in enumerate(self.parents.tolist()[1:], start=1):
             kids[p].append(i)
         return kids
 
+    @property
+    def paths(self) -> torch.Tensor:
+        """``[L, D + 1]`` long: one row per leaf, the node indices from the root to that leaf,
+        right-padded with -1 (Medusa's "retrieve indices"). Computed on the host."""
+        anc = self.ancestor_mask.cpu()
+        is_leaf = torch.ones(self.num_nodes, dtype=torch.bool)
+        is_leaf[self.parents[1:].cpu()] = False
+        rows = []
+        for leaf in is_leaf.nonzero().flatten().tolist():
+            path = anc[leaf].nonzero().flatten().tolist()  # ancestors in index order = root first
+            rows.append(path + [-1] * (self.max_depth + 1 - len(path)))
+        return torch.tensor(rows, dtype=torch.long)
 
-def build_tree(parents: Sequence[int] | torch.Tensor) -> Tree:
-    """Build a :class:`Tree` from a parent vector ``[N]`` (``-1`` for the root, node 0).
+
+def build_tree(parents: Sequence[int] | torch.Tensor, device=None) -> Tree:
+    """Build a :class:`Tree` from a parent vector ``[N]`` (``-1`` for the root, node 0), given
+    on the host (a tensor argument is read back). ``device``: where the tree's tensors go.
 
     Raises ``ValueError`` unless node 0 is the only root and every parent precedes its child.
     """
@@ -71,26 +99,17 @@ def build_tree(parents: Sequence[int] | torch.Tensor) -> Tree:
         if not 0 <= par[i] < i:
             raise ValueError(f"node {i} has parent {par[i]}: parents must precede their children")
     depths = [0] * n
+    kids = [0] * n
     anc = torch.zeros(n, n, dtype=torch.bool)
     anc[0, 0] = True
-    is_leaf = [True] * n
     for i in range(1, n):
         p = par[i]
         depths[i] = depths[p] + 1
+        kids[p] += 1
         anc[i] = anc[p]
         anc[i, i] = True
-        is_leaf[p] = False
-    max_depth = max(depths)
-    rows = []
-    for leaf in (i for i in range(n) if is_leaf[i]):
-        path = anc[leaf].nonzero().flatten().tolist()  # ancestors in index order = root first
-        rows.append(path + [-1] * (max_depth + 1 - len(path)))
-    return Tree(
-        parents=torch.tensor(par, dtype=torch.long),
-        depths=torch.tensor(depths, dtype=torch.long),
-        ancestor_mask=anc,
-        paths=torch.tensor(rows, dtype=torch.long),
-    )
+    tree = Tree(torch.tensor(par, dtype=torch.long), torch.tensor(depths, dtype=torch.long), anc, max(depths), max(kids))
+    return tree.to(device) if device is not None else tree
 
 
 def chain_parents(n: int) -> list[int]:
@@ -224,194 +243,179 @@ def load_tree_spec(name_or_path: str) -> TreeSpec:
 
 @dataclass(frozen=True)
 class DynamicTree:
-    """Result of :func:`grow_dynamic_tree`.
+    """Result of :func:`grow_dynamic_tree`; every tensor is on the drafting device.
 
     Attributes:
         tokens: ``[N]`` long, node 0 is the root token.
         parents: ``[N]`` long, topological order.
-        scores: ``[N]`` float, cumulative draft log-probability of each node (root: 0).
-        q: ``[N, V]`` float or None: the distribution each node's token was drawn from, given its
-            earlier siblings (only when grown with a generator, i.e. for sampling).
+        scores: ``[N]`` float, the draft's cumulative log-probability of each node (root: 0).
+        keys: ``[N]`` float, the calibrated cumulative log-probability the nodes were chosen by
+            (equal to ``scores`` without calibration).
+        tree: the topology (:class:`Tree`) of the ``N`` nodes.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     scores: torch.Tensor
-    q: torch.Tensor | None
+    keys: torch.Tensor
+    tree: Tree
 
 
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def grow_dynamic_tree(
-    expand: ExpandFn,
-    root_token: int,
-    spec: DynamicTreeSpec,
-    *,
-    max_depth: int | None = None,
-    generator: torch.Generator | None = None,
-    vocab_map: torch.Tensor | None = None,
-    vocab_size: int | None = None,
-    cost: Callable[[int], float] | None = None,
-    prune: bool = True,
-) -> DynamicTree:
-    """Grow an EAGLE-2 tree.
+def cost_table(cost, n_max: int, device=None) -> torch.Tensor:
+    """``[n_max + 1]`` float: ``cost(max(n, 1))`` for ``n = 0..n_max`` (a verify-cost curve as a
+    tensor, for the budget computations on the drafting device)."""
+    if hasattr(cost, "table"):
+        return cost.table(n_max, device)
+    return torch.tensor([cost(max(n, 1)) for n in range(n_max + 1)], dtype=torch.float32, device=device)
 
-    ``expand(node_ids [k], parent_ids [k], tokens [k]) -> logprobs [k, Vd]`` gives the draft's
-    next-token log-distribution after each of ``k`` frontier nodes (node ids index the candidates
-    produced so far: 0 is the root, then in creation order; the root's parent is -1). When the
-    draft has its own reduced vocabulary, ``vocab_map [Vd]`` maps its ids to the verifier's and
-    ``vocab_size`` is the verifier's vocabulary (``q`` is returned over it). At every depth the
-    ``top_k`` frontier nodes with
-    the best cumulative log-probability are expanded, each into ``top_k`` children; of those,
-    the best ``top_k`` form the next frontier. Finally the best ``num_nodes - 1`` candidates
-    overall are kept (a child never scores above its parent, so the kept set is a tree).
 
-    With a ``generator`` (sampling), children are drawn without replacement from the draft
-    distribution (Gumbel-top-k) instead of taken greedily, and each kept node records ``q``: the
-    distribution it was drawn from given its earlier siblings, as lossless acceptance needs.
-
-    With ``cost`` (verify time of ``n`` nodes relative to one token, see :mod:`infer.cost`), the
-    node budget is chosen per step, up to ``num_nodes``: the ``n`` best nodes maximising
-    ``(1 + sum of their path probabilities) / cost(n)``, the expected tokens per unit of verify
-    time if the draft's confidences are calibrated (a node is accepted with its path probability).
-
-    With ``prune`` (greedy only), the next depth is drafted only if one of its nodes could still
-    be kept: a child never scores above its parent, so once the nodes in hand fill the budget
-    with scores at least the best frontier node's (or, with ``cost``, once even nodes that good
-    would not raise the expected tokens per unit of time), deeper drafting cannot change the
-    tree and is skipped. The result is the same tree, for fewer draft passes.
-    """
-    depth = spec.depth if max_depth is None else min(spec.depth, max_depth)
-    device = None
-    cand_tok: list[int] = [root_token]
-    cand_par: list[int] = [-1]
-    cand_score: list[float] = [0.0]
-    cand_key: list[float] = [0.0]  # selection key: score, or Gumbel-perturbed score when sampling
-    cand_q: list[torch.Tensor | None] = [None]
-    frontier = [0]
-    for d in range(depth):
-        if prune and generator is None and d > 0:
-            best_frontier = max(cand_score[i] for i in frontier)
-            if not deeper_nodes_can_pay(sorted(cand_score[1:], reverse=True), best_frontier, spec.num_nodes, cost):
-                break
-        ids = torch.tensor(frontier, dtype=torch.long)
-        toks = torch.tensor([cand_tok[i] for i in frontier], dtype=torch.long)
-        pars = torch.tensor([cand_par[i] for i in frontier], dtype=torch.long)
-        logp = expand(ids, pars, toks).float()  # [k, Vd]
-        device = logp.device
-        base = torch.tensor([cand_key[i] for i in frontier], device=device)[:, None]
-        k = min(spec.top_k, logp.shape[-1])
-        if generator is None:
-            child_key, child_tok = torch.topk(logp, k, dim=-1)
-            child_logp = child_key
-        else:
-            u = torch.rand(logp.shape, generator=generator, device=device).clamp_(1e-20, 1 - 1e-7)
-            perturbed = logp - torch.log(-torch.log(u))
-            child_key, child_tok = torch.topk(perturbed, k, dim=-1)
-            child_logp = logp.gather(-1, child_tok)
-        cum_key = base + child_key
-        cum_score = torch.tensor([cand_score[i] for i in frontier], device=device)[:, None] + child_logp
-        if vocab_map is not None:
-            child_tok = vocab_map.to(child_tok.device)[child_tok]
-        new_ids = []
-        for r, parent in enumerate(frontier):
-            probs = None
-            if generator is not None:
-                probs = logp[r].exp()
-                if vocab_map is not None:
-                    probs = torch.zeros(vocab_size, device=device).index_copy_(0, vocab_map.to(device), probs)
-            taken = []
-            for c in range(k):
-                tok = int(child_tok[r, c])
-                cand_tok.append(tok)
-                cand_par.append(parent)
-                cand_score.append(float(cum_score[r, c]))
-                cand_key.append(float(cum_key[r, c]))
-                if probs is not None:
-                    q = probs.clone()
-                    if taken:
-                        q[taken] = 0
-                    cand_q.append(q / q.sum())
-                    taken.append(tok)
-                else:
-                    cand_q.append(None)
-                new_ids.append(len(cand_tok) - 1)
-        new_ids.sort(key=lambda i: -cand_key[i])
-        frontier = new_ids[: spec.top_k]
-    # keep the best nodes overall; ties broken by creation order so parents come first
-    order = sorted(range(1, len(cand_tok)), key=lambda i: (-cand_key[i], i))
-    budget = spec.num_nodes
-    if cost is not None:
-        budget = best_budget([math.exp(cand_score[i]) for i in order[: spec.num_nodes - 1]], cost)
-    keep = set(order[: budget - 1])
-    keep = {i for i in keep if _ancestors_kept(i, cand_par, keep)}
-    kept = [0] + sorted(keep, key=lambda i: (_depth(i, cand_par), i))
-    index = {c: j for j, c in enumerate(kept)}
-    qs = None
-    if generator is not None and len(kept) > 1:
-        vocab = cand_q[kept[1]].shape[-1]
-        qs = torch.stack([torch.zeros(vocab, device=device)] + [cand_q[i] for i in kept[1:]])
-    return DynamicTree(
-        tokens=torch.tensor([cand_tok[i] for i in kept], dtype=torch.long),
-        parents=torch.tensor([-1] + [index[cand_par[i]] for i in kept[1:]], dtype=torch.long),
-        scores=torch.tensor([cand_score[i] for i in kept]),
-        q=qs,
-    )
+def _budget(path_probs: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """0-dim long ``n`` in ``1..L+1`` maximising ``(1 + sum(path_probs[:n - 1])) / table[n]``, for
+    ``path_probs [L]`` sorted best first (the smallest ``n`` on ties)."""
+    expected = torch.cat([path_probs.new_ones(1), 1.0 + path_probs.cumsum(0)])  # [L + 1]: n = 1..L+1
+    return (expected / table[1 : path_probs.numel() + 2]).argmax() + 1
 
 
 def best_budget(path_probs: Sequence[float], cost: Callable[[int], float]) -> int:
     """Node count (root included) maximising ``(1 + sum(path_probs[:n - 1])) / cost(n)``, for
     candidates sorted best first."""
-    best_n, best_rate, expected = 1, 1.0 / cost(1), 1.0
-    for n, p in enumerate(path_probs, start=2):
-        expected += p
-        rate = expected / cost(n)
-        if rate > best_rate:
-            best_n, best_rate = n, rate
-    return best_n
+    probs = torch.tensor(list(path_probs), dtype=torch.float32)
+    return int(_budget(probs, cost_table(cost, probs.numel() + 1)))
+
+
+def _deeper_can_pay(cand_keys: torch.Tensor, frontier_best: torch.Tensor, num_nodes: int,
+                    table: torch.Tensor | None) -> torch.Tensor:
+    """0-dim bool: whether a node with path log-probability ``<= frontier_best`` could still enter
+    the tree chosen from candidates ``cand_keys [C]`` (root excluded) with at most ``num_nodes``
+    nodes: by beating the ``num_nodes - 1``-th candidate (``table`` None: fixed budget), or by
+    raising the best ``(1 + sum of path probabilities) / cost(n)`` (``table``: the cost curve)."""
+    limit = num_nodes - 1
+    if limit <= 0:
+        return torch.zeros((), dtype=torch.bool, device=cand_keys.device)
+    top = torch.sort(cand_keys, descending=True, stable=True).values[:limit]
+    if table is None:  # compared in log space: exactly the order the final selection uses
+        if top.numel() < limit:
+            return torch.ones((), dtype=torch.bool, device=cand_keys.device)
+        return top[-1] < frontier_best
+    probs = torch.zeros(limit, device=top.device).index_copy_(0, torch.arange(top.numel(), device=top.device), top.exp())
+    best = frontier_best.exp()
+    expected = torch.cat([probs.new_ones(1), 1.0 + probs.cumsum(0)])  # n = 1..limit+1
+    rates = expected / table[1 : limit + 2]
+    nb = rates.argmax()  # n_best - 1
+    displaces = (nb > 0) & (probs[(nb - 1).clamp(min=0)] < best)  # a deeper node could replace a chosen one
+    extra = torch.maximum(probs, best).cumsum(0)  # [limit]: position j adds the node of budget j + 2
+    base = torch.where(nb > 0, extra[(nb - 1).clamp(min=0)], extra.new_zeros(()))
+    bound = expected[nb] + extra - base
+    later = torch.arange(limit, device=top.device) >= nb
+    return displaces | (later & (bound / table[2 : limit + 2] > rates[nb])).any()
 
 
 def deeper_nodes_can_pay(path_logprobs: Sequence[float], frontier_best: float, num_nodes: int,
                          cost: Callable[[int], float] | None) -> bool:
-    """Whether a node with path log-probability ``<= frontier_best`` could still enter the tree
-    chosen from candidates ``path_logprobs`` (sorted best first, root excluded) with at most
-    ``num_nodes`` nodes: by beating the ``num_nodes - 1``-th candidate (fixed budget), or, with
-    ``cost``, by raising the best ``(1 + sum of path probabilities) / cost(n)``."""
-    if num_nodes <= 1:
-        return False
-    if cost is None:  # compared in log space: exactly the order the final selection uses
-        top = path_logprobs[: num_nodes - 1]
-        return len(top) < num_nodes - 1 or top[-1] < frontier_best
-    top = [math.exp(x) for x in path_logprobs[: num_nodes - 1]]
-    frontier_best = math.exp(frontier_best)
-    n_best = best_budget(top, cost)
-    if n_best > 1 and top[n_best - 2] < frontier_best:
-        return True  # a deeper node could displace one of the chosen nodes
-    expected = 1.0 + sum(top[: n_best - 1])
-    rate = expected / cost(n_best)
-    rest = top[n_best - 1 :]
-    bound = expected
-    for n in range(n_best + 1, num_nodes + 1):
-        j = n - n_best - 1
-        bound += max(frontier_best, rest[j] if j < len(rest) else 0.0)
-        if bound / cost(n) > rate:
-            return True
-    return False
+    """Host form of the pruning rule of :func:`grow_dynamic_tree` (see ``_deeper_can_pay``)."""
+    keys = torch.tensor(list(path_logprobs), dtype=torch.float32)
+    table = cost_table(cost, num_nodes + 1) if cost is not None else None
+    return bool(_deeper_can_pay(keys, torch.tensor(float(frontier_best)), num_nodes, table))
 
 
-def _ancestors_kept(i: int, parents: list[int], keep: set[int]) -> bool:
-    p = parents[i]
-    while p > 0:
-        if p not in keep:
-            return False
-        p = parents[p]
-    return True
+def grow_dynamic_tree(
+    expand: ExpandFn,
+    root_token: int | torch.Tensor,
+    spec: DynamicTreeSpec,
+    *,
+    max_depth: int | None = None,
+    vocab_map: torch.Tensor | None = None,
+    cost: Callable[[int], float] | None = None,
+    prune: bool = True,
+    log_scale: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> DynamicTree:
+    """Grow an EAGLE-2 tree with tensor operations on the drafting device.
 
+    ``expand(node_ids [k], parent_ids [k], tokens [k]) -> logprobs [k, Vd]`` gives the draft's
+    next-token log-distribution after each of ``k`` frontier nodes (node ids index the candidates
+    produced so far: 0 is the root, then in creation order; the root's parent is -1; one call per
+    depth). When the draft has its own reduced vocabulary, ``vocab_map [Vd]`` maps its ids to the
+    verifier's. At every depth the ``top_k`` frontier nodes with the best cumulative
+    log-probability are expanded, each into its ``top_k`` most likely children; of those, the best
+    ``top_k`` form the next frontier. Finally the best ``num_nodes - 1`` candidates overall are
+    kept (a child never scores above its parent and ties go to the older node, so the kept set is
+    a tree). Candidates are the draft's most likely tokens, not samples: the tree is a
+    deterministic function of the draft, so both greedy and sampled verification are exact
+    whatever it keeps.
 
-def _depth(i: int, parents: list[int]) -> int:
-    d = 0
-    while parents[i] >= 0:
-        i = parents[i]
-        d += 1
-    return d
+    ``log_scale [depth]`` calibrates: a child at depth ``d + 1`` counts with conditional
+    probability ``min(1, exp(log_scale[d]) * q)`` instead of the draft's ``q`` (the drafter
+    measures how often its predictions come true).
+
+    With ``cost`` (verify time of ``n`` nodes relative to one token, see :mod:`infer.cost`), the
+    node budget is chosen per step, up to ``num_nodes``: the ``n`` best nodes maximising
+    ``(1 + sum of their path probabilities) / cost(n)``, the expected tokens per unit of verify
+    time if the (calibrated) confidences are right.
+
+    With ``prune``, the next depth is drafted only if one of its nodes could still be kept: once
+    the nodes in hand fill the budget with scores at least the best frontier node's (or, with
+    ``cost``, once even nodes that good would not raise the expected tokens per unit of time),
+    deeper drafting cannot change the tree and is skipped. The result is the same tree, for fewer
+    draft passes.
+
+    Host reads: one per drafted depth (the pruning decision) and one for the budget; none per node.
+    """
+    depth = spec.depth if max_depth is None else min(spec.depth, max_depth)
+    if device is None:
+        device = root_token.device if isinstance(root_token, torch.Tensor) else torch.device("cpu")
+    k_max = spec.top_k
+    capacity = 1 + depth * k_max * k_max
+    tok = torch.zeros(capacity, dtype=torch.long, device=device)
+    par = torch.full((capacity,), -1, dtype=torch.long, device=device)
+    dep = torch.zeros(capacity, dtype=torch.long, device=device)
+    raw = torch.zeros(capacity, device=device)  # cumulative draft log-probability
+    key = torch.zeros(capacity, device=device)  # calibrated: what nodes are chosen by
+    anc = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
+    tok[0] = torch.as_tensor(root_token, dtype=torch.long).to(device, non_blocking=True).reshape(())
+    anc[0, 0] = True
+    table = cost_table(cost, spec.num_nodes + 1, device) if cost is not None else None
+    frontier = torch.zeros(1, dtype=torch.long, device=device)
+    m = 1  # candidates so far (host int: every size below is known without reading the device)
+    for d in range(depth):
+        if prune and d > 0 and not bool(_deeper_can_pay(key[1:m], key[frontier].max(), spec.num_nodes, table)):
+            break
+        logp = expand(frontier, par[frontier], tok[frontier]).float()  # [k, Vd]
+        kids = min(k_max, logp.shape[-1])
+        child_lp, child_tok = torch.topk(logp, kids, dim=-1)  # [k, kids], best first
+        if vocab_map is not None:
+            child_tok = vocab_map[child_tok]
+        count = frontier.numel() * kids
+        new = torch.arange(m, m + count, device=device)
+        parent = frontier.repeat_interleave(kids)
+        tok[m : m + count] = child_tok.reshape(-1)
+        par[m : m + count] = parent
+        dep[m : m + count] = d + 1
+        raw[m : m + count] = (raw[frontier][:, None] + child_lp).reshape(-1)
+        step = child_lp if log_scale is None else (child_lp + log_scale[d]).clamp(max=0.0)
+        key[m : m + count] = (key[frontier][:, None] + step).reshape(-1)
+        anc[m : m + count] = anc[parent]
+        anc[new, new] = True
+        frontier = new[torch.sort(key[m : m + count], descending=True, stable=True).indices[:k_max]]
+        m += count
+    # keep the best nodes overall; ties broken by creation order so parents come first
+    order = torch.sort(key[1:m], descending=True, stable=True).indices[: spec.num_nodes - 1] + 1
+    deepest = torch.cummax(dep[order], 0).values  # [L]: the deepest node among the best j + 1
+    if order.numel() == 0:
+        n, max_d = 1, 0
+    elif table is not None:
+        budget = _budget(key[order].exp(), table)
+        n, max_d = torch.stack([budget, deepest[(budget - 2).clamp(min=0)]]).tolist()
+        max_d = max_d if n > 1 else 0
+    else:
+        n, max_d = order.numel() + 1, int(deepest[-1])
+    kept = order[: n - 1]
+    kept = kept[torch.argsort(dep[kept] * m + kept)]  # topological: by depth, then creation
+    nodes = torch.cat([kept.new_zeros(1), kept])
+    index = torch.zeros(m, dtype=torch.long, device=device).index_copy_(0, nodes, torch.arange(n, device=device))
+    parents = torch.where(par[nodes] >= 0, index[par[nodes].clamp(min=0)], -1)
+    tree = Tree(parents, dep[nodes], anc[nodes][:, nodes], max_depth=max_d, width=k_max if n > 1 else 0)
+    return DynamicTree(tokens=tok[nodes], parents=parents, scores=raw[nodes], keys=key[nodes], tree=tree)

@@ -76,22 +76,16 @@ class Verifier:
         self.feature_layers = tuple(feature_layers)
         self.cache: DynamicCache | None = None
         self.length = 0  # tokens in the KV cache
+        embed = model.get_input_embeddings().weight
+        self.device: torch.device = embed.device  # where inputs go (read once, not per step)
+        self.dtype: torch.dtype = embed.dtype
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._mask_min = torch.finfo(self.dtype).min
+        self._mask: torch.Tensor | None = None  # reused tree-mask buffer, see _tree_mask
+        self._clean = 0  # columns [0, _clean) of the buffer are all 0 (visible)
         # transformers 5.24 renamed `past_key_values` to `cache`; use whichever forward() takes
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
 
     def check_fits(self, total_length: int) -> None:
         """Refuse, before any work, a generation whose positions exceed what the model handles."""
@@ -136,28 +130,47 @@ class Verifier:
         The tree's keys and values are appended to the cache until :meth:`commit`.
         """
         n, past = tree.num_nodes, self.length
-        mask = torch.full((1, 1, n, past + n), self._mask_min, dtype=self.dtype, device=self.device)
-        mask[..., :past] = 0.0
-        mask[0, 0, :, past:].masked_fill_(tree.ancestor_mask.to(self.device), 0.0)
+        tree = tree.to(self.device)
         out = self.model(
-            input_ids=tokens.to(self.device).view(1, n),
-            attention_mask=mask,
-            position_ids=(tree.depths.to(self.device) + past).view(1, n),
+            input_ids=tokens.to(self.device, non_blocking=True).view(1, n),
+            attention_mask=self._tree_mask(tree, past),
+            position_ids=(tree.depths + past).view(1, n),
             use_cache=True,
             output_hidden_states=bool(self.feature_layers),
             **{self._cache_kw: self.cache},
         )
         return VerifierOutput(out.logits[0], self._features(out))
 
+    def _tree_mask(self, tree: Tree, past: int) -> torch.Tensor:
+        """Additive mask ``[1, 1, N, past + N]``: every node sees the ``past`` cached positions and
+        its own ancestors. A view into a buffer reused across steps: only the new tree's block is
+        written (and the columns that the last tree dirtied, now committed prefix, are cleared)."""
+        n = tree.num_nodes
+        buf = self._mask
+        if buf is None or buf.shape[0] < n or buf.shape[1] < past + n:
+            rows = max(64, n, 0 if buf is None else buf.shape[0])
+            cols = -(-max(1024, 2 * (past + n)) // 64) * 64  # rows stay 64-aligned for fused kernels
+            buf = self._mask = torch.zeros(rows, cols, dtype=self.dtype, device=self.device)
+            self._clean = cols
+        if self._clean < past:
+            buf[:, self._clean : past] = 0.0
+        block = buf[:n, past : past + n]
+        block.fill_(self._mask_min)
+        block.masked_fill_(tree.ancestor_mask, 0.0)
+        self._clean = past
+        return buf[:n, : past + n][None, None]
+
     @torch.inference_mode()
-    def commit(self, nodes: torch.Tensor) -> None:
+    def commit(self, nodes: torch.Tensor, node_ids: Sequence[int] | None = None) -> None:
         """Keep only the accepted ``nodes`` (``[k]`` tree indices, root first) of the last verified
-        tree in the cache: their keys/values move in place to follow the prefix, the rest is cut."""
+        tree in the cache: their keys/values move in place to follow the prefix, the rest is cut.
+        ``node_ids``: the same indices on the host, if known (saves a device read)."""
         k = int(nodes.shape[0])
-        src = nodes.to(self.device) + self.length
+        src = nodes.to(self.device, non_blocking=True) + self.length
         start = self.length
         self.length += k
-        if not bool((nodes == torch.arange(k)).all()):  # else a prefix of the tree: nothing moves
+        ids = list(node_ids) if node_ids is not None else nodes.tolist()
+        if ids != list(range(k)):  # else a prefix of the tree: nothing moves
             for layer in cache_layers(self.cache):
                 layer.keys[:, :, start : start + k] = layer.keys.index_select(2, src)
                 layer.values[:, :, start : start + k] = layer.values.index_select(2, src)

@@ -58,8 +58,8 @@ class FixedQDrafter(Drafter):
         if self.mode == "dynamic":
             logq = self.q.log()
             t = grow_dynamic_tree(lambda ids, parents, toks: logq.expand(len(ids), -1), root,
-                                  DynamicTreeSpec(depth=2, top_k=2, num_nodes=5), generator=generator)
-            return Draft(t.tokens, build_tree(t.parents), t.q)
+                                  DynamicTreeSpec(depth=2, top_k=2, num_nodes=5))
+            return Draft(t.tokens, t.tree)  # the draft's top tokens: deterministic, no q
         a = int(torch.multinomial(self.q, 1, generator=generator))
         if self.mode == "iid":
             b, qb = int(torch.multinomial(self.q, 1, generator=generator)), self.q
@@ -144,3 +144,91 @@ def test_warp_matches_hf_logits_processors():
             procs.append(TopPLogitsWarper(p))
         ref = procs(None, logits.clone()).softmax(-1)
         torch.testing.assert_close(warp_probs(logits, t, k, p), ref)
+
+
+# --- the tree budget must not depend on the drafted tokens' values (issue: biased cost budget) --
+
+P_STEP = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+Q_PEAKY = torch.tensor([0.02, 0.03, 0.05, 0.10, 0.20, 0.60])
+STEP_COST = None  # built lazily: VerifyCost((1, 2, 3, 4, 8), (1, 1.25, 1.6, 2.2, 4.0))
+N_STEP = 20_000
+
+
+def _first_tokens(draft_fn, n=N_STEP) -> torch.Tensor:
+    """Counts ``[6]`` of the first emitted token over ``n`` one-step verifications against a
+    context-free verifier ``P_STEP``."""
+    from infer.accept import sample_accept
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(len(P_STEP))
+    for _ in range(n):
+        tokens, tree, q = draft_fn(g)
+        p = P_STEP.expand(tree.num_nodes, -1)
+        counts[sample_accept(tokens, tree, p, q, g).tokens[0]] += 1
+    return counts
+
+
+def _step_cost():
+    from infer.cost import VerifyCost
+
+    return VerifyCost((1, 2, 3, 4, 8), (1.0, 1.25, 1.6, 2.2, 4.0))
+
+
+def test_the_cost_budget_keeps_sampling_exact():
+    """The project's own tree growth with the cost budget, one verify step, 20,000 draws: the
+    first token follows p. The tree is the draft's top tokens, chosen whatever their values:
+    a deterministic function of the draft, independent of the verifier's randomness."""
+    logq = Q_PEAKY.log()
+    spec = DynamicTreeSpec(depth=2, top_k=3, num_nodes=6)
+    t = grow_dynamic_tree(lambda ids, parents, toks: logq.expand(len(ids), -1), 0, spec, cost=_step_cost())
+    assert t.tree.num_nodes > 1  # the budget keeps some nodes: the test exercises acceptance
+    counts = _first_tokens(lambda g: (t.tokens, t.tree, None))
+    assert chi_square_pvalue(counts, P_STEP) > 1e-3
+
+
+def test_a_budget_chosen_from_drawn_tokens_is_caught():
+    """Negative control: children *drawn* from q (Gumbel-top-k, with their real q), then as many
+    kept as their drawn probabilities pay for, as the engine did before: the kept set depends on
+    the drawn values, and the same test rejects it."""
+    from infer.tree import best_budget
+
+    cost = _step_cost()
+
+    def biased(g):
+        u = torch.rand(len(Q_PEAKY), generator=g).clamp_(1e-20, 1 - 1e-7)
+        order = torch.topk(Q_PEAKY.log() - torch.log(-torch.log(u)), 3).indices.tolist()
+        n = best_budget([float(Q_PEAKY[x]) for x in order], cost)
+        kept = order[: n - 1]
+        qs, q = [torch.zeros(len(Q_PEAKY))], Q_PEAKY.clone()
+        for x in kept:  # drawn without replacement: each given the earlier siblings
+            qs.append(q / q.sum())
+            q = q.clone()
+            q[x] = 0
+        return torch.tensor([0] + kept), build_tree([-1] + [0] * len(kept)), torch.stack(qs)
+
+    counts = _first_tokens(biased)
+    assert chi_square_pvalue(counts, P_STEP) < 1e-6
+
+
+@pytest.mark.slow
+def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model):
+    """The EAGLE drafter's real path (tree growth, calibration, the cost budget, the pause when
+    drafting does not pay) on a tiny model, 20,000 three-token samples, against the exact joint."""
+    from heads import HeadConfig, VerifierSpec, build_head
+    from infer.cost import VerifyCost
+    from infer.head_drafters import EagleDrafter
+
+    m = small_vocab_model
+    cfg = HeadConfig("eagle3", VerifierSpec.of(m), draft_vocab_size=V, aux_layers=(0, 1, 2), layer_config=m.config.to_dict())
+    torch.manual_seed(5)
+    head = build_head(cfg)
+    drafter = EagleDrafter(head, m, DynamicTreeSpec(depth=2, top_k=3, num_nodes=6), cost=VerifyCost((1, 2, 3, 4, 8), (1.0, 1.1, 1.3, 1.6, 2.5)))
+    probs = exact_joint(m, 1.0, 0, 1.0)
+    counts = torch.zeros(V, V, V)
+    sizes = set()
+    for seed in range(20_000):
+        res = generate(m, drafter, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
+        counts[tuple(res.token_ids)] += 1
+        sizes.update(n for n, k in enumerate(res.stats.nodes_hist) if k)
+    assert len(sizes) > 1  # the budget varied from step to step
+    assert chi_square_pvalue(counts, probs) > 1e-3

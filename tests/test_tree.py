@@ -87,7 +87,7 @@ def test_dynamic_tree_is_eagle2_selection():
     spec = DynamicTreeSpec(depth=3, top_k=3, num_nodes=8)
     t = grow_dynamic_tree(expand, 5, spec)
     tree = build_tree(t.parents)
-    assert t.tokens.numel() == 8 and t.q is None
+    assert t.tokens.numel() == 8
     # scores are cumulative log-probs along the path
     for i in range(1, 8):
         p = int(t.parents[i])
@@ -101,22 +101,30 @@ def test_dynamic_tree_is_eagle2_selection():
     assert grow_dynamic_tree(expand, 5, spec, max_depth=1).parents.tolist() == [-1, 0, 0, 0]
 
 
-def test_dynamic_tree_sampling_records_q():
+def test_grown_tree_is_built_on_the_device_side_as_build_tree_would():
     expand, table = _fake_expand()
-    spec = DynamicTreeSpec(depth=3, top_k=4, num_nodes=10)
-    t = grow_dynamic_tree(expand, 2, spec, generator=torch.Generator().manual_seed(0))
-    tree = build_tree(t.parents)
-    assert t.q.shape == (10, 20)
-    for kids in tree.children():
-        earlier = []
-        for c in kids:
-            q = t.q[c]
-            assert torch.isclose(q.sum(), torch.tensor(1.0))
-            assert q[earlier].sum() == 0 and q[t.tokens[c]] > 0  # drawn without replacement
-            expected = table[t.tokens[t.parents[c]]].exp().clone()
-            expected[earlier] = 0
-            assert torch.allclose(q, expected / expected.sum(), atol=1e-6)
-            earlier.append(int(t.tokens[c]))
+    for spec in (DynamicTreeSpec(3, 3, 8), DynamicTreeSpec(4, 2, 12), DynamicTreeSpec(2, 4, 3)):
+        t = grow_dynamic_tree(expand, 2, spec)
+        ref = build_tree(t.parents)
+        assert torch.equal(t.tree.parents, ref.parents) and torch.equal(t.tree.depths, ref.depths)
+        assert torch.equal(t.tree.ancestor_mask, ref.ancestor_mask)
+        assert t.tree.max_depth == ref.max_depth and t.tree.width >= ref.width
+
+
+def test_calibration_reorders_the_candidates():
+    """A depth whose predictions came true less often than claimed counts for less: with depth 2
+    scaled down, a second depth-1 sibling beats the best depth-2 grandchild."""
+    table = torch.full((20, 20), -9.0)
+    table[:, 1] = -0.1  # q = 0.90
+    table[:, 2] = -1.0  # q = 0.37
+    table = table.log_softmax(-1)
+    expand = lambda ids, parents, toks: table[toks]  # noqa: E731
+    spec = DynamicTreeSpec(depth=2, top_k=2, num_nodes=3)
+    plain = grow_dynamic_tree(expand, 0, spec)
+    assert plain.tree.depths.tolist() == [0, 1, 2]  # root -> 1 -> 1 (0.9 * 0.9 > 0.37)
+    scaled = grow_dynamic_tree(expand, 0, spec, log_scale=torch.tensor([0.0, -1.5]))
+    assert scaled.tree.depths.tolist() == [0, 1, 1]  # 0.9 * 0.9 * e^-1.5 < 0.37
+    assert torch.equal(scaled.scores, plain.scores.new_tensor([0.0, table[0, 1], table[0, 2]]))
 
 
 @settings(max_examples=30, deadline=None)
