@@ -4,7 +4,8 @@ Depends on torch and transformers only (plus safetensors / huggingface_hub for c
 """
 
 from .config import HEAD_TYPES, HeadConfig, HeadMismatchError, VerifierSpec, default_aux_layers
-from .io import CheckpointError, load_head, push_head, save_head
+from .io import CheckpointError, push_head, save_head
+from .loading import load_head
 from .modules import DraftHead, Eagle1Head, Eagle3Head, MedusaHeads, build_head
 
 __all__ = [

@@ -80,7 +80,7 @@ class HeadConfig:
         own_lm_head: Medusa: a projection per head (True) or the verifier's LM head (False).
         draft_vocab_size: EAGLE-3: size of the reduced draft vocabulary.
         aux_layers: EAGLE-3: the verifier layers whose *inputs* are fused (HF ``hidden_states``
-            indices); default ``(2, N // 2, N - 3)``.
+            indices); default :func:`default_aux_layers` (``(2, N // 2, N - 3)``, made distinct).
         layer_config: EAGLE: the verifier's config as a dict (builds the draft decoder layer).
         training: free-form facts for the model card (data, steps, measured acceptance).
     """
@@ -138,7 +138,18 @@ class HeadConfig:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's fused layers: the inputs of decoder layers 2, N // 2 and N - 3 (HF
-    ``hidden_states`` indices), clamped into range and sorted for very shallow models."""
+    """EAGLE-3's fused layers for a verifier of ``N`` layers: the inputs of decoder layers 2,
+    N // 2 and N - 3 (HF ``hidden_states`` indices). vLLM and SGLang capture each id once, at the
+    input of a decoder layer (0..N-1), so for N >= 3 the three are made distinct and kept below N
+    (N = 6: 2, 3, 4). A verifier of 1-2 layers has no three distinct inputs: its ids repeat or
+    reach N (after the final norm), which only specheads itself can read (export refuses them)."""
     n = num_layers
-    return tuple(sorted(min(max(i, 0), n) for i in (2, n // 2, n - 3)))  # type: ignore[return-value]
+    aux = sorted(min(max(i, 0), n) for i in (2, n // 2, n - 3))
+    if n < 3:
+        return tuple(aux)  # type: ignore[return-value]
+    for k in (1, 2):  # distinct: push up ...
+        aux[k] = max(aux[k], aux[k - 1] + 1)
+    aux[2] = min(aux[2], n - 1)  # ... and below N
+    for k in (1, 0):
+        aux[k] = min(aux[k], aux[k + 1] - 1)
+    return tuple(aux)  # type: ignore[return-value]

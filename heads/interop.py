@@ -6,16 +6,20 @@ Export formats (rules read from the engines' loaders; ``tests/test_interop.py`` 
   ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``, one layer, unprefixed
   weights ``fc.weight [h, 3h]``, ``midlayer.*`` (q/k/v read 2h), ``norm.weight``,
   ``lm_head.weight [draft_vocab, h]``, ``d2t`` (int64, ``target = draft + d2t[draft]``) and ``t2d``
-  (bool); no embedding (both engines share the target's). The fused layers are written twice:
+  (bool); no embedding (both engines share the target's). A head over the full vocabulary has
+  neither ``d2t`` nor ``t2d`` (vLLM then creates no mapping and refuses the extra tensor). The
+  three fused layers must be distinct inputs of decoder layers (0..N-1; both engines capture
+  each id once): heads for verifiers of fewer than 3 layers are not exported. They are written twice:
   top-level ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention (id ``i`` = the *input* of
   decoder layer ``i``, HF ``hidden_states[i]``), and ``eagle_config.eagle_aux_hidden_state_layer_ids``
   for SGLang, which reads that list only and captures ``id + 1`` (so it holds ``i - 1``).
-* ``medusa`` - vLLM's Medusa: ``model_type: "medusa"``, ``architectures: ["MedusaModel"]``,
-  ``blocks.{h}.layers.{l}.weight/bias``, ``lm_heads.{h}.weight`` (or, with ``original_lm_head``, the
-  verifier's LM head once as ``lm_heads.0.weight``).
+* ``medusa`` - vLLM's Medusa (vLLM <= 0.32; 0.33 removed it): ``model_type: "medusa"``,
+  ``architectures: ["MedusaModel"]``, ``blocks.{h}.layers.{l}.weight/bias``, ``lm_heads.{h}.weight``
+  (or, with ``original_lm_head``, the verifier's LM head once as ``lm_heads.0.weight``).
 
 Imports: our export layouts, EAGLE-3 checkpoints in the published layout (yuhuili/EAGLE3-*,
-SpecForge), EAGLE-1 checkpoints (``fc.*``, ``layers.0.*``) and FasterDecoding Medusa heads
+SpecForge) and in the ``speculators`` layout (``layers.0.*``, a nested ``transformer_layer_config``),
+EAGLE-1 checkpoints (``fc.*``, ``layers.0.*``) and FasterDecoding Medusa heads
 (``{head}.{layer}.linear.*``, ``{head}.{n}.weight``). Only safetensors files are read.
 """
 
@@ -27,10 +31,10 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import HeadConfig, VerifierSpec, default_aux_layers
-from .io import CheckpointError, write_atomic
+from .io import CheckpointError, load_state_strict, read_safetensors, write_atomic
 from .modules import DraftHead, Eagle3Head, MedusaHeads, build_head
 
 log = logging.getLogger(__name__)
@@ -70,9 +74,20 @@ def export_eagle3(head: Eagle3Head, out: str | Path, *, dtype: torch.dtype = tor
             f"vLLM and SGLang run EAGLE-3 only on {', '.join(EAGLE3_TARGETS)} verifiers, not {cfg.verifier.model_type}; "
             "use this head with specheads itself"
         )
+    n_layers = cfg.verifier.num_layers
+    aux = sorted(cfg.aux_layers)
+    if n_layers < 3:
+        raise CheckpointError(
+            f"vLLM and SGLang fuse the inputs of three distinct decoder layers: the verifier needs at least 3 layers, "
+            f"not {n_layers}; use this head with specheads itself"
+        )
+    if len(set(aux)) != 3 or aux[0] < 0 or aux[-1] >= n_layers:
+        raise CheckpointError(
+            f"this head fuses verifier layers {aux}, but vLLM and SGLang capture three distinct inputs of decoder "
+            f"layers 0..{n_layers - 1}: retrain it with the default aux_layers, or use it with specheads itself"
+        )
     lc = cfg.layer_config
     h = cfg.verifier.hidden_size
-    aux = sorted(cfg.aux_layers)
     n_heads = lc["num_attention_heads"]
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -97,12 +112,12 @@ def export_eagle3(head: Eagle3Head, out: str | Path, *, dtype: torch.dtype = tor
         "torch_dtype": str(dtype).removeprefix("torch."),
         "specheads": {"verifier": cfg.verifier.name, "fingerprint": cfg.verifier.fingerprint},
     }
-    state = {}
-    for k, v in head.state_dict().items():
-        if k in ("d2t", "t2d"):
-            state[k] = v.to(torch.int64 if k == "d2t" else torch.bool)
-        else:
-            state[k] = v.to(dtype)
+    state = {k: v.to(dtype) for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
+    if cfg.draft_vocab_size < cfg.verifier.vocab_size:
+        state["d2t"], state["t2d"] = head.d2t.to(torch.int64), head.t2d.to(torch.bool)
+    else:  # full vocabulary: no mapping, so lm_head's rows go in target order (a no-op after set_vocab)
+        targets = head.target_ids(torch.arange(cfg.draft_vocab_size, device=head.d2t.device))
+        state["lm_head.weight"] = state["lm_head.weight"][torch.argsort(targets).to(state["lm_head.weight"].device)]
     return _write_export(out, config, state)
 
 
@@ -112,6 +127,7 @@ def export_medusa(head: MedusaHeads, out: str | Path, verifier=None, *, dtype: t
     cfg = head.config
     if cfg.head_type != "medusa":
         raise CheckpointError(f"the medusa format needs Medusa heads, not {cfg.head_type}")
+    log.warning("vLLM serves Medusa heads up to version 0.32 (0.33 removed its Medusa model): serve this export with vllm<=0.32")
     state = {}
     for hi, blocks in enumerate(head.blocks):
         for li, block in enumerate(blocks):
@@ -158,12 +174,12 @@ def _write_export(out: str | Path, config: dict, state: dict) -> Path:
 def _weights(directory: Path, names=("model.safetensors", "medusa_lm_head.safetensors")) -> dict:
     for name in names:
         if (directory / name).is_file():
-            return load_file(str(directory / name))
+            return read_safetensors(directory / name)
     shards = sorted(directory.glob("model-*.safetensors"))
     if shards:
         out = {}
         for s in shards:
-            out.update(load_file(str(s)))
+            out.update(read_safetensors(s))
         return out
     for name in ("pytorch_model.bin", "medusa_lm_head.pt", "model.pt"):
         if (directory / name).is_file():
@@ -171,8 +187,10 @@ def _weights(directory: Path, names=("model.safetensors", "medusa_lm_head.safete
     raise CheckpointError(f"{directory} has no safetensors weights")
 
 
-def detect_format(config: dict, keys: set[str]) -> str:
-    """``specheads``, ``eagle3``, ``eagle1``, ``medusa-vllm`` or ``medusa-fd`` (FasterDecoding)."""
+def detect_format(config: dict, keys: set[str], state: dict | None = None) -> str:
+    """``specheads``, ``eagle3``, ``eagle1``, ``medusa-vllm`` or ``medusa-fd`` (FasterDecoding).
+    EAGLE-3 in the ``speculators`` layout names its layer ``layers.0.`` like EAGLE-1: it is told
+    apart by ``hidden_norm``, ``d2t`` or an ``fc`` that reads 3x its output (``state``'s shapes)."""
     if config.get("format") == "specheads":
         return "specheads"
     if config.get("model_type") == "medusa" or any(k.startswith("blocks.") for k in keys):
@@ -183,6 +201,10 @@ def detect_format(config: dict, keys: set[str]) -> str:
     if any(k.startswith("midlayer.") for k in stripped):
         return "eagle3"
     if "fc.weight" in stripped and any(k.startswith("layers.0.") for k in stripped):
+        fc = next((v for k, v in (state or {}).items() if k.removeprefix("model.") == "fc.weight"), None)
+        fused3 = fc is not None and fc.dim() == 2 and fc.shape[1] == 3 * fc.shape[0]
+        if fused3 or "d2t" in stripped or any(k.startswith("layers.0.hidden_norm.") for k in stripped):
+            return "eagle3"
         return "eagle1"
     raise CheckpointError("unrecognised draft-head checkpoint: not specheads, EAGLE-1, EAGLE-3 or Medusa")
 
@@ -195,7 +217,7 @@ def import_head(directory: str | Path, verifier: torch.nn.Module, name: str = ""
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{directory / 'config.json'} is not valid JSON ({e.msg})") from None
     state = _weights(directory)
-    kind = detect_format(config, set(state))
+    kind = detect_format(config, set(state), state)
     spec = VerifierSpec.of(verifier, name or str(directory))
     if kind == "eagle3":
         return _import_eagle3(config, state, spec, verifier)
@@ -217,18 +239,19 @@ def _check_sizes(spec: VerifierSpec, hidden: int, vocab: int | None, what: str) 
 
 
 def _load_strict(head: DraftHead, state: dict, what: str) -> DraftHead:
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{what} weights do not fit: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    load_state_strict(head, state, f"{what} weights")
     return head.float().eval()
 
 
 def _import_eagle3(config, state, spec, verifier) -> Eagle3Head:
     state = {k.removeprefix("model."): v for k, v in state.items() if not k.removeprefix("model.").startswith("embed_tokens")}
-    hidden = int(config.get("target_hidden_size") or config.get("hidden_size") or state["fc.weight"].shape[0])
-    _check_sizes(spec, hidden, int(config.get("vocab_size", spec.vocab_size)), "EAGLE-3")
+    state = {("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v for k, v in state.items()}
+    nested = config.get("transformer_layer_config")  # speculators: the layer's sizes live here
+    layer = nested if isinstance(nested, dict) else config
+    hidden = int(config.get("target_hidden_size") or layer.get("hidden_size") or state["fc.weight"].shape[0])
+    _check_sizes(spec, hidden, int(layer.get("vocab_size") or spec.vocab_size), "EAGLE-3")
     draft_vocab = int(state["lm_head.weight"].shape[0])
-    if "eagle_aux_hidden_state_layer_ids" in config:
+    if config.get("eagle_aux_hidden_state_layer_ids") is not None:
         aux = tuple(int(i) for i in config["eagle_aux_hidden_state_layer_ids"])
     elif (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") is not None:
         aux = tuple(int(i) + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])  # SGLang's ids
@@ -236,7 +259,7 @@ def _import_eagle3(config, state, spec, verifier) -> Eagle3Head:
         aux = default_aux_layers(spec.num_layers)
     if config.get("norm_before_residual"):
         raise CheckpointError("norm_before_residual=true EAGLE-3 heads are not supported yet")
-    layer_config = {k: v for k, v in config.items() if k not in ("eagle_config", "architectures", "specheads")}
+    layer_config = {k: v for k, v in layer.items() if k not in ("eagle_config", "architectures", "specheads")}
     layer_config.setdefault("hidden_size", hidden)
     hc = HeadConfig("eagle3", spec, draft_vocab_size=draft_vocab, aux_layers=tuple(sorted(aux)), layer_config=layer_config)
     head = build_head(hc)

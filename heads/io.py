@@ -1,4 +1,6 @@
-"""Checkpoint IO: safetensors weights + ``config.json`` + a model card, local or on the Hub.
+"""The specheads checkpoint format: safetensors weights + ``config.json`` + a model card, local or
+on the Hub. (Which format a directory holds is decided by :mod:`heads.loading`; other layouts
+are :mod:`heads.interop`'s.)
 
 Nothing is ever unpickled. Saving writes each file under a temporary name and renames it into
 place, so an interrupted save never leaves a half-written file.
@@ -12,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import HeadConfig, VerifierSpec
@@ -143,7 +146,7 @@ def resolve(path_or_repo: str | Path) -> Path:
     raise CheckpointError(f"no draft head at {text!r}: give a checkpoint directory or a Hub repo id")
 
 
-def _foreign(directory: Path) -> bool:
+def is_foreign(directory: Path) -> bool:
     """A checkpoint directory written by another tool (no specheads config.json)."""
     path = directory / CONFIG
     if not path.is_file():
@@ -152,6 +155,26 @@ def _foreign(directory: Path) -> bool:
         return json.loads(path.read_text()).get("format") != "specheads"
     except (json.JSONDecodeError, AttributeError):
         return False
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file (on the CPU); a truncated or foreign file (a pickle under
+    that name) is a :class:`CheckpointError`. Never unpickles anything."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a valid safetensors file ({e}): re-save or re-download it") from None
+
+
+def load_state_strict(head: torch.nn.Module, state: dict, what: str) -> None:
+    """Load ``state`` into ``head``: every key and every shape must match, else :class:`CheckpointError`."""
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # size mismatch
+        reasons = [line.strip() for line in str(e).splitlines() if "size mismatch" in line] or [str(e).splitlines()[0]]
+        raise CheckpointError(f"{what} does not fit: {reasons[0]}") from None
+    if missing or unexpected:
+        raise CheckpointError(f"{what} does not fit: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
 
 def read_config(directory: Path) -> HeadConfig:
@@ -167,18 +190,9 @@ def read_config(directory: Path) -> HeadConfig:
         raise CheckpointError(f"{directory / CONFIG}: {e}") from None
 
 
-def load_head(path_or_repo: str | Path, *, verifier: torch.nn.Module | None = None) -> DraftHead:
-    """Load a head saved by :func:`save_head`; with ``verifier``, refuse a head trained for
-    another verifier (:class:`~heads.config.HeadMismatchError`). Checkpoints in other layouts
-    (EAGLE-3 as published, EAGLE-1, Medusa; see :mod:`heads.interop`) are imported for
-    ``verifier``, which they then require."""
-    directory = resolve(path_or_repo)
-    if _foreign(directory):
-        from .interop import import_head
-
-        if verifier is None:
-            raise CheckpointError(f"{directory} is not a specheads checkpoint: importing it needs the verifier")
-        return import_head(directory, verifier, name=str(path_or_repo))
+def load_specheads(directory: Path, verifier: torch.nn.Module | None = None) -> DraftHead:
+    """A head saved by :func:`save_head` (float32, CPU); with ``verifier``, refuse a head trained
+    for another verifier (:class:`~heads.config.HeadMismatchError`)."""
     config = read_config(directory)
     if verifier is not None:
         config.verifier.check(VerifierSpec.of(verifier))
@@ -186,10 +200,7 @@ def load_head(path_or_repo: str | Path, *, verifier: torch.nn.Module | None = No
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS} (only safetensors checkpoints are loaded)")
     head = build_head(config)
-    state = load_file(str(weights))
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{weights} does not match a {config.head_type} head: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    load_state_strict(head, read_safetensors(weights), f"{weights} ({config.head_type} head)")
     return head.float().eval()
 
 

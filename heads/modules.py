@@ -17,35 +17,19 @@ import torch
 from torch import nn
 
 from .config import HeadConfig
+from .masks import additive_mask
+
+_float_mask = additive_mask  # the old private name, kept until infer/ uses heads.masks.additive_mask
 
 
 class DraftHead(nn.Module):
-    """Base class of all heads: holds the :class:`HeadConfig`, checkpoint IO in ``heads.io``."""
+    """Base class of all heads: holds the :class:`HeadConfig`. Modules only: checkpoints are
+    read and written by :mod:`heads.loading` (``load_head``, ``save_head``), which also gives every
+    head ``save_pretrained``, ``from_pretrained`` and ``push_to_hub``."""
 
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
-
-    def save_pretrained(self, directory, **card):
-        from .io import save_head
-
-        return save_head(self, directory, **card)
-
-    @classmethod
-    def from_pretrained(cls, path_or_repo, verifier=None):
-        from .io import load_head
-
-        return load_head(path_or_repo, verifier=verifier)
-
-    def push_to_hub(self, repo_id: str, directory=None, **kwargs):
-        import tempfile
-
-        from .io import push_head
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = directory or f"{tmp}/head"
-            self.save_pretrained(path)
-            return push_head(path, repo_id, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,19 +107,6 @@ def _one_layer_model(layer_config: dict, *, llama: bool = False):
     cfg = AutoConfig.for_model(model_type, **d)
     with torch.device("cpu"):
         return AutoModel.from_config(cfg)
-
-
-def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool ``[..., T, S]`` (True = may attend) -> additive float mask ``[..., 1, T, S]``."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.unsqueeze(-3)
-
-
-def causal_mask(t: int, past: int, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive causal mask ``[B, 1, T, past + T]`` for ``t`` new positions after ``past`` cached."""
-    allowed = torch.ones(t, past + t, dtype=torch.bool, device=device).tril(diagonal=past)
-    return _float_mask(allowed.expand(batch, t, past + t), dtype)
 
 
 class _EagleBase(DraftHead):

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 from test_heads import draft_logits, make_head
 
 from conftest import VOCAB, hf_greedy
-from heads import CheckpointError, load_head
-from heads.interop import export_eagle3, export_medusa
+from heads import CheckpointError, Eagle3Head, HeadConfig, build_head, load_head
+from heads.interop import detect_format, export_eagle3, export_medusa
 from infer import generate
 from infer.cli import main
 from infer.head_drafters import load_head_drafter
@@ -77,8 +77,8 @@ def test_eagle3_export_follows_the_engines_rules(tmp_path, deep_llama):
     assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
     assert cfg["vocab_size"] == VOCAB and cfg["draft_vocab_size"] == 96 and cfg.get("bias") is not True
     assert cfg["norm_before_residual"] is False
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]  # N = 6: inputs of layers 2, N//2, N-3
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # SGLang adds one
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # N = 6: 2, N//2, N-3 made distinct
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # SGLang adds one
     assert cfg["max_position_embeddings"] >= deep_llama.config.max_position_embeddings
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "hidden_act", "rope_theta"):
         assert key in cfg
@@ -108,7 +108,8 @@ def test_medusa_export_follows_vllm_rules(tmp_path, llama):
 
 
 @pytest.mark.parametrize("head_type", ["eagle3", "medusa"])
-def test_export_import_roundtrip_gives_identical_draft_logits(tmp_path, llama, head_type):
+def test_export_import_roundtrip_gives_identical_draft_logits(tmp_path, llama, deep_llama, head_type):
+    llama = deep_llama if head_type == "eagle3" else llama  # EAGLE-3 exports need >= 3 verifier layers
     head = make_head(llama, head_type)
     if head_type == "eagle3":
         export_eagle3(head, tmp_path / "x", dtype=torch.float32)
@@ -124,8 +125,9 @@ def _engine_equal(model, drafter):
     return generate(model, drafter, ids, max_new_tokens=20).token_ids == hf_greedy(model, ids, 20)
 
 
-def test_import_published_eagle3_layout(tmp_path, llama):
+def test_import_published_eagle3_layout(tmp_path, deep_llama):
     """yuhuili/EAGLE3-* / SpecForge style: model.-prefixed keys, no t2d, embed_tokens present."""
+    llama = deep_llama
     head = make_head(llama, "eagle3")
     src = export_eagle3(head, tmp_path / "src", dtype=torch.float32)
     w = load_file(str(src / "model.safetensors"))
@@ -189,10 +191,111 @@ def test_non_llama_verifiers_are_refused_for_eagle3_export(tmp_path):
         export_eagle3(make_head(gemma, "eagle3"), tmp_path / "g")
 
 
-def test_export_cli(tmp_path, llama, capsys):
-    head = make_head(llama, "eagle3")
+def test_export_cli(tmp_path, deep_llama, capsys):
+    head = make_head(deep_llama, "eagle3")
     head.save_pretrained(tmp_path / "h")
     assert main(["export", "--draft", str(tmp_path / "h"), "--format", "eagle3", "--out", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "model.safetensors").is_file()
     assert main(["export", "--draft", str(tmp_path / "h"), "--format", "medusa", "--out", str(tmp_path / "o2")]) == 2
     assert "needs Medusa heads" in capsys.readouterr().err
+
+
+def test_full_vocabulary_eagle3_export_has_no_d2t(tmp_path, deep_llama):
+    """vLLM creates no draft_id_to_target_id parameter when draft_vocab_size == vocab_size and
+    refuses an extra d2t tensor (the EAGLE repo deletes d2t/t2d then); importing maps it to identity."""
+    head = make_head(deep_llama, "eagle3", seed=1)
+    full = build_head(HeadConfig("eagle3", head.config.verifier, draft_vocab_size=VOCAB, aux_layers=head.config.aux_layers,
+                                 layer_config=head.config.layer_config))
+    full.load_state_dict({k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}, strict=False)
+    with torch.no_grad():
+        full.lm_head.weight.normal_(0, 0.2)
+    full.set_vocab(torch.arange(VOCAB))
+    out = export_eagle3(full.eval(), tmp_path / "full", dtype=torch.float32)
+    weights = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in weights and "t2d" not in weights
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == VOCAB
+    back = load_head(out, verifier=deep_llama)
+    assert torch.equal(back.d2t, torch.zeros(VOCAB, dtype=torch.long)) and back.t2d.all()
+    with torch.no_grad():
+        torch.testing.assert_close(draft_logits(back, deep_llama), draft_logits(full, deep_llama), rtol=0, atol=0)
+
+
+def test_eagle3_export_refuses_repeated_or_out_of_range_layers(tmp_path, llama, deep_llama):
+    """The engines capture each id once, at the input of decoder layers 0..N-1."""
+    with pytest.raises(CheckpointError, match="at least 3 layers"):
+        export_eagle3(make_head(llama, "eagle3"), tmp_path / "two")  # 2 layers: no three distinct inputs
+    old = make_head(deep_llama, "eagle3")
+    for aux in ((2, 3, 3), (2, 3, 6)):  # a head made with the old default; id N (after the final norm)
+        old.config = HeadConfig.from_dict({**old.config.to_dict(), "aux_layers": list(aux)})
+        with pytest.raises(CheckpointError, match="distinct"):
+            export_eagle3(old, tmp_path / "old")
+    assert not (tmp_path / "old").exists() and not (tmp_path / "two").exists()
+
+
+def _speculators_layout(head, directory):
+    """What the ``speculators`` converter writes: ``layers.0.*`` and a nested transformer_layer_config."""
+    state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in head.state_dict().items()}
+    state["embed_tokens.weight"] = torch.zeros(VOCAB, 64)
+    lc = head.config.layer_config
+    nested = {k: lc[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                 "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size") if k in lc}
+    nested.update(model_type="llama", num_hidden_layers=1, rope_theta=10000.0)
+    directory.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 96,
+        "norm_before_residual": False, "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(head.config.aux_layers), "transformer_layer_config": nested,
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "x"}},
+    }))
+    return directory
+
+
+def test_import_speculators_eagle3_layout(tmp_path, deep_llama):
+    head = make_head(deep_llama, "eagle3")
+    d = _speculators_layout(head, tmp_path / "spec")
+    imported = load_head(d, verifier=deep_llama)
+    assert isinstance(imported, Eagle3Head) and imported.config.aux_layers == head.config.aux_layers
+    assert imported.config.layer_config["intermediate_size"] == 128
+    with torch.no_grad():
+        torch.testing.assert_close(draft_logits(imported, deep_llama), draft_logits(head, deep_llama), rtol=0, atol=0)
+    assert _engine_equal(deep_llama, load_head_drafter(str(d), deep_llama))
+    assert detect_format({}, {"fc.weight", "layers.0.hidden_norm.weight"}) == "eagle3"
+    assert detect_format({}, {"fc.weight", "layers.0.self_attn.q_proj.weight", "d2t"}) == "eagle3"
+    assert detect_format({}, {"fc.weight", "layers.0.self_attn.q_proj.weight"}) == "eagle1"
+
+
+def test_import_speculators_layout_by_fc_shape(tmp_path, deep_llama):
+    """No hidden_norm, no d2t (full vocabulary): an fc reading 3x its output still means EAGLE-3."""
+    state = {"fc.weight": torch.zeros(64, 192), "layers.0.self_attn.q_proj.weight": torch.zeros(64, 128)}
+    assert detect_format({}, set(state), state) == "eagle3"
+
+
+def test_shape_mismatch_is_a_checkpoint_error(tmp_path, deep_llama):
+    head = make_head(deep_llama, "eagle3")
+    d = _speculators_layout(head, tmp_path / "spec")
+    w = load_file(str(d / "model.safetensors"))
+    w["layers.0.mlp.gate_proj.weight"] = torch.zeros(100, 64)  # intermediate size 100, config says 128
+    save_file(w, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="size mismatch|do not fit"):
+        load_head(d, verifier=deep_llama)
+    head.save_pretrained(tmp_path / "own")
+    w = load_file(str(tmp_path / "own" / "model.safetensors"))
+    w["fc.weight"] = torch.zeros(64, 100)
+    save_file(w, tmp_path / "own" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="size mismatch|does not match"):
+        load_head(tmp_path / "own", verifier=deep_llama)
+
+
+def test_medusa_export_warns_about_vllm_versions_and_medusa2_adapters(tmp_path, llama, caplog, capsys):
+    head = make_head(llama, "medusa", own_lm_head=True)
+    with caplog.at_level("WARNING"):
+        export_medusa(head, tmp_path / "m")
+    assert "0.32" in caplog.text and "0.33" in caplog.text
+    head.save_pretrained(tmp_path / "m2")
+    (tmp_path / "m2" / "adapter").mkdir()
+    (tmp_path / "m2" / "adapter" / "adapter_config.json").write_text("{}")
+    capsys.readouterr()
+    assert main(["export", "--draft", str(tmp_path / "m2"), "--format", "medusa", "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "LoRA" in err and "adapter" in err and "lack" in err

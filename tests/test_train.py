@@ -103,21 +103,92 @@ def test_grad_accumulation_matches_bigger_batch(tmp_path, distilled):
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
 
 
-def test_resume_reproduces_an_uninterrupted_run(tmp_path, distilled):
-    run(tmp_path, distilled, "full", max_steps=8, save_every=4)
-    first = run(tmp_path, distilled, "killed", max_steps=8, save_every=4, interrupt_after=5)
-    assert first["interrupted"] and (tmp_path / "killed" / "checkpoints" / "step_4").is_dir()
-    assert not (tmp_path / "killed" / "model.safetensors").exists()
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, distilled):
+    """8 steps in one go (checkpoints do not change the run): its history and final head."""
+    tmp = tmp_path_factory.mktemp("full")
+    res = run(tmp, distilled, "full", max_steps=8, save_every=2)
+    return res["history"], head_state(tmp / "full")
+
+
+def _assert_same_run(out_dir, uninterrupted) -> None:
+    """``out_dir`` holds the whole history of the uninterrupted run and its head, bit for bit."""
+    history, state = uninterrupted
+    resumed = json.loads((Path(out_dir) / "train_history.json").read_text())
+    assert [h["step"] for h in resumed] == [h["step"] for h in history]
+    for x, y in zip(resumed, history):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), x["step"]
+    head = head_state(out_dir)
+    for k in state:
+        assert torch.equal(head[k], state[k]), k
+
+
+def _resume(tmp_path, distilled, name, **over):
     from train.train_heads import main
 
-    assert main(["--config", str(RECIPE), "--resume", f"data={distilled}", "prompts=", f"output_dir={tmp_path / 'killed'}",
-                 "max_steps=8", "save_every=4", "eval_every=100", "warmup_steps=1"]) == 0
-    second = json.loads((tmp_path / "killed" / "train_history.json").read_text())
-    second = {"history": second}
-    assert second["history"][0]["step"] == 5  # continued from the step-4 checkpoint
-    a, b = head_state(tmp_path / "full"), head_state(tmp_path / "killed")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    over = {"max_steps": 8, "save_every": 4, "eval_every": 100, "warmup_steps": 1, **over}
+    return main(["--config", str(RECIPE), "--resume", f"data={distilled}", "prompts=", f"output_dir={tmp_path / name}",
+                 *(f"{k}={v}" for k, v in over.items())])
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, distilled, uninterrupted):
+    """Resume takes the newest complete checkpoint (it has train_state.json): a kill during a
+    checkpoint write leaves a torn directory, which is skipped; stale temporary ones are removed.
+    The resumed run keeps the whole history and equals an uninterrupted one."""
+    first = run(tmp_path, distilled, "killed", max_steps=8, save_every=4, interrupt_after=5)
+    ckpts = tmp_path / "killed" / "checkpoints"
+    assert first["interrupted"] and (ckpts / "step_4" / "train_state.json").is_file()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_4"]  # written under a temporary name, then renamed
+    assert not (tmp_path / "killed" / "model.safetensors").exists()
+    torn = ckpts / "step_6"  # newer, but torn: 0-byte optimizer.bin, no train_state.json
+    torn.mkdir()
+    (torn / "optimizer.bin").write_bytes(b"")
+    (ckpts / ".tmp-step_5").mkdir()
+    (ckpts / ".tmp-step_5" / "model.safetensors").write_bytes(b"")
+    assert _resume(tmp_path, distilled, "killed") == 0
+    assert not (ckpts / ".tmp-step_5").exists()
+    _assert_same_run(tmp_path / "killed", uninterrupted)  # steps 1-4 from the checkpoint, then 5-8
+
+
+KILLER = """
+import os, signal, sys
+import accelerate
+from train.train_heads import main
+
+save_state, calls = accelerate.Accelerator.save_state, [0]
+kill_at, mid_write = int(sys.argv[1]), sys.argv[2] == "mid-write"
+
+def dying_save_state(self, path, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == kill_at and not mid_write:  # between checkpoints: steps done since the last one are lost
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = save_state(self, path, *args, **kwargs)
+    if calls[0] == kill_at:  # mid-write: the files are there, optimizer.bin torn, no train_state.json yet
+        open(os.path.join(path, "optimizer.bin"), "wb").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+accelerate.Accelerator.save_state = dying_save_state
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("when", ["between", "mid-write"])
+def test_sigkill_then_resume_is_bit_identical(tmp_path, distilled, uninterrupted, when):
+    """A real SIGKILL of a training process at its third checkpoint (step 6): before writing it
+    (between checkpoints), or while writing it. --resume continues from step 4 and the head
+    equals an uninterrupted run's bit for bit."""
+    args = ["--config", str(RECIPE), f"data={distilled}", "prompts=", f"output_dir={tmp_path / 'k'}", "max_steps=8",
+            "save_every=2", "eval_every=100", "warmup_steps=1"]
+    proc = subprocess.run([sys.executable, "-c", KILLER, "3", when, *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    ckpts = tmp_path / "k" / "checkpoints"
+    complete = sorted(p.name for p in ckpts.iterdir() if (p / "train_state.json").is_file())
+    assert complete == ["step_2", "step_4"] and not (ckpts / "step_6").exists()
+    assert (ckpts / ".tmp-step_6").is_dir() == (when == "mid-write")
+    assert _resume(tmp_path, distilled, "k", save_every=2) == 0
+    _assert_same_run(tmp_path / "k", uninterrupted)
 
 
 def _launch(*args, procs=1, timeout=300):

@@ -1,9 +1,11 @@
 """One typed config per training run: defaults live here, recipes in ``configs/*.yaml`` override
-them, ``key=value`` arguments override the recipe. Unknown keys are refused by name."""
+them, ``key=value`` arguments override the recipe. Unknown keys and bad values are refused by
+name when the config is made; the paths it names by :meth:`TrainConfig.check_paths`, before any work."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -68,21 +70,78 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)  # free-form notes copied into the model card
 
     def __post_init__(self) -> None:
+        """Every value, checked before any work (paths: :meth:`check_paths`)."""
         if self.head_type not in ("medusa", "medusa2", "eagle1", "eagle3"):
             raise ConfigError(f"head_type must be medusa, medusa2, eagle1 or eagle3, not {self.head_type!r}")
-        for key in ("batch_size", "grad_accum", "max_steps", "save_every", "eval_every", "ttt_steps", "max_seq_len"):
+        if not str(self.verifier).strip():
+            raise ConfigError("verifier must not be empty: 'default', tiny-random:<arch>, a model directory or a Hub id")
+        for key in ("batch_size", "grad_accum", "max_steps", "save_every", "eval_every", "eval_batches", "ttt_steps",
+                    "max_seq_len", "medusa_num_heads", "medusa_num_layers", "draft_vocab_size", "lora_r", "lora_alpha",
+                    "distill_max_new_tokens", "distill_batch_size"):
             if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1")
+                raise ConfigError(f"{key} must be >= 1, not {getattr(self, key)}")
+        for key in ("warmup_steps", "max_prompts", "interrupt_after", "weight_decay", "max_grad_norm",
+                    "distill_temperature", "eagle1_ce_weight", "medusa2_kl_weight"):
+            if not getattr(self, key) >= 0:  # `not >=` also refuses NaN
+                raise ConfigError(f"{key} must be >= 0, not {getattr(self, key)}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, not {self.lr}")
+        for key in ("eval_fraction", "lora_dropout"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be in [0, 1), not {getattr(self, key)}")
+        for key in ("ttt_decay", "medusa_decay"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ConfigError(f"{key} must be in (0, 1], not {getattr(self, key)}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError("optimizer must be adamw or sgd")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ConfigError("mixed_precision must be no, bf16 or fp16")
+        if self.log_with not in ("", "tensorboard", "wandb"):
+            raise ConfigError(f"log_with must be '' (none), tensorboard or wandb, not {self.log_with!r}")
         if not self.data and not self.prompts:
             raise ConfigError("give data= (a distilled JSONL) or prompts= (to distil first)")
+
+    def check_paths(self) -> None:
+        """The files the run reads and the directories it writes, checked before any work:
+        ``prompts`` (a JSONL file; ``synthetic:N`` and ``hf:`` are not files) and ``data`` (made
+        from the prompts when they are given, else it must exist); ``output_dir`` and ``cache_dir``
+        must be directories that exist or can be made. Nothing is created here."""
+        if self.prompts.startswith("synthetic:"):
+            n = self.prompts.split(":", 1)[1]
+            if not n.isdigit() or int(n) < 1:
+                raise ConfigError(f"prompts must be synthetic:N with N >= 1, not {self.prompts!r}")
+        elif self.prompts and not self.prompts.startswith("hf:") and not Path(self.prompts).is_file():
+            raise ConfigError(f"prompts file {self.prompts} does not exist (JSONL, hf:NAME[:SPLIT] or synthetic:N)")
+        if self.prompts:  # distilled into data first
+            if self.distilled_path.is_dir():
+                raise ConfigError(f"data {self.distilled_path} is a directory, not a JSONL file")
+            _check_creatable(self.distilled_path.parent, "data")
+        elif not Path(self.data).is_file():
+            raise ConfigError(f"data file {self.data} does not exist: give a distilled JSONL, or prompts= to distil one")
+        _check_creatable(Path(self.output_dir), "output_dir")
+        if self.cache_dir:
+            _check_creatable(Path(self.cache_dir), "cache_dir")
 
     @property
     def distilled_path(self) -> Path:
         return Path(self.data) if self.data else Path(self.output_dir) / "distilled.jsonl"
+
+
+def _check_creatable(path: Path, key: str) -> None:
+    """``path`` is a writable directory, or the nearest existing ancestor is (so it can be made)."""
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{key} {path} is a file, not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key} {path} is not writable")
+        return
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"cannot create {key} {path}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot create {key} {path}: {ancestor} is not writable")
 
 
 def _coerce(key: str, value, typ):

@@ -7,12 +7,13 @@ of the three fused layers).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from heads.io import write_atomic
 
 from .data import Batch
 
@@ -74,9 +75,7 @@ class FeatureCache:
                 tensors = {"last": fresh.last[r, :n].to(self.dtype).contiguous().cpu()}
                 if fresh.aux is not None:
                     tensors["aux"] = fresh.aux[r, :n].to(self.dtype).contiguous().cpu()
-                tmp = self._path(idx[r]).with_suffix(".tmp")
-                save_file(tensors, tmp)
-                os.replace(tmp, self._path(idx[r]))
+                write_atomic(self._path(idx[r]), lambda p, t=tensors: save_file(t, p))
         b, t = batch.input_ids.shape
         h = model.config.hidden_size
         last = torch.zeros(b, t, h)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heads.modules import _float_mask, causal_mask
+from heads.masks import additive_mask, causal_mask
 
 from .features import Features, verifier_logits
 
 
-def _seq_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def seq_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``values``, ``valid``: ``[B, T]`` -> mean over valid positions per row, then over rows
     that have any (a scalar; 0 when none)."""
     valid = valid.to(values.dtype)
@@ -68,9 +68,9 @@ def medusa_loss(head, verifier, feats: Features, input_ids, loss_mask, decay: fl
     for k in range(k_heads):
         target = _shift(input_ids, 2 + k)[used]
         ce = F.cross_entropy(logits[k].float(), target, reduction="none")
-        total = total + decay**k * _seq_mean(_scatter(ce, used), valid[k])
+        total = total + decay**k * seq_mean(_scatter(ce, used), valid[k])
         hit = (logits[k].argmax(-1) == target).float()
-        metrics[f"acc_{k + 1}"] = _seq_mean(_scatter(hit, used), valid[k]).detach()
+        metrics[f"acc_{k + 1}"] = seq_mean(_scatter(hit, used), valid[k]).detach()
     return total, metrics
 
 
@@ -97,8 +97,8 @@ def eagle1_loss(head, verifier, feats: Features, input_ids, loss_mask, ce_weight
         p = torch.softmax(verifier_logits(verifier, target[valid]).float(), -1)  # [N, V]
     q_logits = verifier_logits(verifier, pred[valid])
     ce = _scatter(_soft_ce(q_logits, p), valid)
-    loss = _seq_mean(reg, valid) + ce_weight * _seq_mean(ce, valid)
-    acc = _seq_mean(_scatter((q_logits.argmax(-1) == p.argmax(-1)).float(), valid), valid).detach()
+    loss = seq_mean(reg, valid) + ce_weight * seq_mean(ce, valid)
+    acc = seq_mean(_scatter((q_logits.argmax(-1) == p.argmax(-1)).float(), valid), valid).detach()
     return loss, {"acc_1": acc}
 
 
@@ -140,13 +140,13 @@ def eagle3_loss(head, verifier, feats: Features, input_ids, loss_mask, steps: in
         embeds = embed(tokens).to(dtype)
         pos = (torch.arange(t, device=device) + s).expand(b, t)
         allowed = torch.cat([causal] + [eye] * s, dim=-1)  # [B, T, (s + 1) T]
-        out = head(hidden, embeds, pos, _float_mask(allowed, dtype), cache)
+        out = head(hidden, embeds, pos, additive_mask(allowed, dtype), cache)
         logits = head.logits(out)  # [B, T, Vd]
         target = _shift(p_draft, 1 + s)
         valid = _shifted_valid(loss_mask, 1 + s) & _shifted_valid(torch.ones_like(loss_mask), 1 + s)
-        total = total + decay**s * _seq_mean(_soft_ce(logits, target), valid)
+        total = total + decay**s * seq_mean(_soft_ce(logits, target), valid)
         hit = (logits.argmax(-1) == _shift(argmax_draft, 1 + s)) & _shift(in_vocab, 1 + s)
-        metrics[f"acc_{s + 1}"] = _seq_mean(hit.float(), valid).detach()
+        metrics[f"acc_{s + 1}"] = seq_mean(hit.float(), valid).detach()
         hidden = out
     return total, metrics
 

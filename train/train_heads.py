@@ -1,12 +1,15 @@
 """Train a draft head on the hidden states of a frozen verifier.
 
     accelerate launch train/train_heads.py --config configs/<recipe>.yaml [key=value ...]
+    python train/train_heads.py --check --config configs/<recipe>.yaml [key=value ...]   # validate only
 
 Accelerate handles devices, DDP / DeepSpeed, mixed precision, gradient accumulation, checkpoint
 state and trackers. The verifier runs in ``eval()`` under ``no_grad`` (Medusa-2: only its LoRA
 adapters train); its parameters are never given to the optimizer. The final head is written
 into ``output_dir`` (``config.json``, ``model.safetensors``, ``README.md``), ready for
-``specheads generate --draft output_dir``; resumable checkpoints go to ``output_dir/checkpoints``.
+``specheads generate --draft output_dir``; resumable checkpoints go to ``output_dir/checkpoints``
+(each written as ``.tmp-step_N`` and renamed to ``step_N`` when complete; ``--resume`` takes the
+newest complete one, so a kill mid-write costs only the steps since the one before).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,10 +29,11 @@ import torch
 from torch import nn
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
+from heads.io import write_atomic
 from train.config import ConfigError, TrainConfig, load_config
 from train.data import collate, distill, load_prompts, load_records, response_token_counts, split_records
 from train.features import FeatureCache, Features, compute_features
-from train.losses import _seq_mean, eagle1_loss, eagle3_loss, estimated_tau, medusa_loss
+from train.losses import eagle1_loss, eagle3_loss, estimated_tau, medusa_loss, seq_mean
 
 
 class Joint(nn.Module):
@@ -95,7 +100,7 @@ def medusa2_kl(verifier, batch, adapted_logits: torch.Tensor) -> torch.Tensor:
         base = verifier(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     adapted = adapted_logits.float()
     kl = (torch.softmax(base, -1) * (torch.log_softmax(base, -1) - torch.log_softmax(adapted, -1))).sum(-1)
-    return _seq_mean(kl, batch.loss_mask.bool())
+    return seq_mean(kl, batch.loss_mask.bool())
 
 
 def batch_indices(order_for_epoch, n_train: int, micro: int, global_batch: int, rank: int, per_rank: int) -> list[int]:
@@ -115,12 +120,40 @@ def peak_memory_mb() -> int:
     return round(peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024)
 
 
+def _write_json(path: Path, obj) -> None:
+    write_atomic(path, lambda p: p.write_text(json.dumps(obj)))
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint ``step_N`` (it has ``train_state.json``, written last);
+    torn ones (killed mid-write) and temporary ``.tmp-*`` directories are skipped."""
+    done = [p for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit() and (p / "train_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
+def save_checkpoint(accelerator, ckpt_dir: Path, step: int, history: list) -> Path:
+    """``accelerator.save_state`` (every process writes its part) into ``.tmp-step_N``, then
+    ``train_state.json`` (the step and the history so far), then the main process renames it to
+    ``step_N``: a ``step_N`` directory is always complete."""
+    tmp, final = ckpt_dir / f".tmp-step_{step}", ckpt_dir / f"step_{step}"
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _write_json(tmp / "train_state.json", {"step": step, "history": history})
+        if final.exists():  # a torn one from an earlier run
+            shutil.rmtree(final)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()
+    return final
+
+
 def train(cfg: TrainConfig) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     from infer.models import load_verifier
 
+    cfg.check_paths()
     out = Path(cfg.output_dir)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
@@ -139,11 +172,17 @@ def train(cfg: TrainConfig) -> dict:
     data_path = cfg.distilled_path
     if cfg.prompts:
         if accelerator.is_main_process:
-            prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed, shuffle=cfg.shuffle_prompts)
+            try:
+                prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed, shuffle=cfg.shuffle_prompts)
+            except (OSError, ValueError, KeyError) as e:
+                raise ConfigError(f"cannot read prompts {cfg.prompts}: {e}") from None
             distill(model, lv.tokenizer, prompts, data_path, max_new_tokens=cfg.distill_max_new_tokens,
                     batch_size=cfg.distill_batch_size, temperature=cfg.distill_temperature, seed=cfg.seed)
         accelerator.wait_for_everyone()
-    records = load_records(data_path, cfg.max_seq_len)
+    try:
+        records = load_records(data_path, cfg.max_seq_len)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read data {data_path}: {e}") from None
     if len(records) < 2:
         raise ConfigError(f"{data_path} holds fewer than 2 usable records")
     train_idx, eval_idx = split_records(records, cfg.eval_fraction, cfg.seed)
@@ -179,12 +218,17 @@ def train(cfg: TrainConfig) -> dict:
 
     ckpt_dir = out / "checkpoints"
     step = 0
-    if cfg.resume and ckpt_dir.is_dir():
-        saved = sorted(ckpt_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-        if saved:
-            accelerator.load_state(str(saved[-1]))
-            step = json.loads((saved[-1] / "train_state.json").read_text())["step"]
-            accelerator.print(f"resumed from {saved[-1]} at step {step}")
+    history: list[dict] = []
+    if ckpt_dir.is_dir() and accelerator.is_main_process:
+        for stale in ckpt_dir.glob(".tmp-step_*"):  # killed mid-write
+            shutil.rmtree(stale)
+    accelerator.wait_for_everyone()
+    saved = latest_checkpoint(ckpt_dir) if cfg.resume and ckpt_dir.is_dir() else None
+    if saved is not None:
+        accelerator.load_state(str(saved))
+        state = json.loads((saved / "train_state.json").read_text())
+        step, history = state["step"], state.get("history", [])
+        accelerator.print(f"resumed from {saved} at step {step}")
     if cfg.log_with:
         accelerator.init_trackers("specheads", config={k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))})
 
@@ -227,7 +271,6 @@ def train(cfg: TrainConfig) -> dict:
         return res
 
     head.train()
-    history = []
     last_eval: dict = {}
     while step < cfg.max_steps:
         t0 = time.time()
@@ -260,11 +303,7 @@ def train(cfg: TrainConfig) -> dict:
         if accelerator.is_main_process and (step % 10 == 0 or step == 1 or step == cfg.max_steps):
             accelerator.print(json.dumps({"step": step, **{k: round(v, 4) for k, v in logs.items()}}))
         if step % cfg.save_every == 0 and step < cfg.max_steps:
-            path = ckpt_dir / f"step_{step}"
-            accelerator.save_state(str(path))
-            if accelerator.is_main_process:
-                (path / "train_state.json").write_text(json.dumps({"step": step}))
-            accelerator.wait_for_everyone()
+            save_checkpoint(accelerator, ckpt_dir, step, history)
         if cfg.interrupt_after and step >= cfg.interrupt_after:
             accelerator.print(f"interrupted after step {step} (interrupt_after)")
             accelerator.end_training()
@@ -286,7 +325,7 @@ def train(cfg: TrainConfig) -> dict:
         head.save_pretrained(out, **facts)
         if cfg.head_type == "medusa2":
             verifier.save_pretrained(str(out / "adapter"))
-        (out / "train_history.json").write_text(json.dumps(history))
+        _write_json(out / "train_history.json", history)
     accelerator.end_training()
     return {"step": step, "interrupted": False, "history": history, "eval": last_eval, "head": head, "verifier": verifier}
 
@@ -295,12 +334,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="train_heads.py", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="YAML recipe (configs/*.yaml)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (= resume=true)")
+    parser.add_argument("--check", action="store_true", help="only validate the config and its paths (exit 0, or 2 with the error)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     args = parser.parse_args(argv)
     from infer.errors import UserError
 
     try:
         cfg = load_config(args.config, [*args.overrides, *(["resume=true"] if args.resume else [])])
+        if args.check:
+            cfg.check_paths()
+            print(f"train_heads: config ok ({cfg.head_type} for {cfg.verifier}, output_dir {cfg.output_dir})")
+            return 0
         train(cfg)
     except (ConfigError, UserError) as e:
         print(f"train_heads: error: {e}", file=sys.stderr)
