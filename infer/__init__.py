@@ -1,22 +1,28 @@
 """specheads inference: tree-verified speculative decoding over an unmodified HF causal LM.
 
-Entry points: :func:`generate` / :func:`stream` (token ids in, token ids out),
-:func:`generate_text` (text in, text out, with the chat template), :class:`Verifier`, the drafters
-in :mod:`infer.drafters`, and :func:`load_verifier`.
+Entry points: :class:`Speculator` (``Speculator.from_pretrained(verifier, draft="auto")``, then
+``.generate(text)`` / ``.stream(text)``), :func:`generate` / :func:`stream` (token ids in, token ids
+out), :func:`generate_text` (text in, text out, with the chat template), :class:`Verifier`, the
+drafters in :mod:`infer.drafters`, :func:`load_drafter` and :func:`load_verifier`.
+
+Importing the package does no work (the submodules below import torch and transformers only).
 """
 
 from .accept import Acceptance, greedy_accept, sample_accept, typical_accept, warp_probs
 from .drafters import Draft, Drafter, NoDrafter, PromptLookupDrafter
 from .engine import Chunk, GenerationResult, GenerationStats, generate, stream
 from .errors import UserError
+from .loading import load_drafter
 from .models import load_verifier
+from .params import SamplingParams
+from .speculator import Speculator
 from .text import encode_prompt, generate_text
 from .tree import DynamicTreeSpec, StaticTreeSpec, Tree, build_tree, load_tree_spec
 from .verifier import Verifier
 
 __all__ = [
     "Acceptance", "Chunk", "Draft", "Drafter", "DynamicTreeSpec", "GenerationResult", "GenerationStats",
-    "NoDrafter", "PromptLookupDrafter", "StaticTreeSpec", "Tree", "UserError", "Verifier", "build_tree",
-    "encode_prompt", "generate", "generate_text", "greedy_accept", "load_tree_spec", "load_verifier",
+    "NoDrafter", "PromptLookupDrafter", "SamplingParams", "Speculator", "StaticTreeSpec", "Tree", "UserError", "Verifier",
+    "build_tree", "encode_prompt", "generate", "generate_text", "greedy_accept", "load_drafter", "load_tree_spec", "load_verifier",
     "sample_accept", "stream", "typical_accept", "warp_probs",
 ]

@@ -14,66 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .engine import generate
 from .errors import UserError
-from .tree import build_tree
+from .prompts import BenchPrompt
 from .verifier import Verifier
 
 METHODS = ("vanilla", "hf-pld", "spec")
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    text: str
-    category: str
-
-
-#: Spec-Bench reports MT-bench's eight categories as one; ``group`` in :func:`read_prompts` does too.
-MT_BENCH_GROUP = {c: "mt_bench" for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
-
-
-def read_prompts(path: str | Path, limit: int | None = None, group: dict[str, str] | None = None) -> list[BenchPrompt]:
-    """Read a JSONL prompt file: each line has ``"prompt"`` (string) or ``"turns"`` (list; the
-    first turn is used), and optionally ``"category"``, renamed through ``group`` when listed
-    there. ``limit``: at most that many prompts per category (the first ones)."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read prompt file {path}: {e.strerror if isinstance(e, OSError) else e}") from None
-    prompts: list[BenchPrompt] = []
-    per_cat: dict[str, int] = defaultdict(int)
-    for no, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{no}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path}:{no}: each line must be a JSON object")
-        text = row.get("prompt")
-        if text is None and isinstance(row.get("turns"), list) and row["turns"]:
-            text = row["turns"][0]
-        if not isinstance(text, str) or not text.strip():
-            raise UserError(f"{path}:{no}: needs a non-empty \"prompt\" string or a \"turns\" list")
-        cat = str(row.get("category", "all"))
-        cat = (group or {}).get(cat, cat)
-        if limit is not None and per_cat[cat] >= limit:
-            continue
-        per_cat[cat] += 1
-        prompts.append(BenchPrompt(text, cat))
-    if not prompts:
-        raise UserError(f"prompt file {path} holds no prompts")
-    return prompts
 
 
 class ForwardCounter:
@@ -116,12 +67,18 @@ def run_bench(
     progress: bool = True,
     temperature: float = 0.0,
     seed: int = 0,
+    partial: str | Path | None = None,
+    fingerprint: dict | None = None,
 ) -> dict:
     """Run the benchmark and return the results dict (see the module docstring).
 
     ``drafter``: one drafter (method ``spec``) or ``{label: drafter}`` (methods ``spec:<label>``).
     ``temperature > 0`` samples (vanilla: HF ``generate(do_sample=True)``; every prompt and method
-    is seeded with ``seed``); outputs then differ from vanilla by design and are not compared."""
+    is seeded with ``seed``); outputs then differ from vanilla by design and are not compared.
+
+    ``partial``: a JSONL file that receives each prompt's results as soon as they are measured;
+    a rerun with the same ``fingerprint`` (what defines the run: prompts, methods, drafts, ...)
+    takes the prompts already there and measures only the rest. A different fingerprint is refused."""
     from tqdm.auto import tqdm
 
     from .text import encode_prompt, eos_ids
@@ -155,13 +112,20 @@ def run_bench(
             expanded.append(name)
     methods = tuple(expanded)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
-    for m in methods:  # warm-up
-        runners[m](encoded[0][:32])
+    log = PartialResults(partial, {**(fingerprint or {}), "methods": list(methods), "n_prompts": len(prompts)}) if partial else None
+    rows = log.rows() if log else []
+    if rows:
+        for i, row in enumerate(rows):
+            if row.get("prompt") != prompts[i].text[:200]:
+                raise UserError(f"{partial}: its prompt {i + 1} is not this run's: remove the file to start over")
     counter = ForwardCounter(model)
-    rows = []
     try:
-        for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="bench", disable=not progress):
-            row = {"category": prompt.category, "prompt_tokens": ids.numel()}
+        if len(rows) < len(prompts):
+            for m in methods:  # warm-up
+                runners[m](encoded[0][:32])
+        todo = list(zip(prompts, encoded))[len(rows):]
+        for prompt, ids in tqdm(todo, desc="bench", initial=len(rows), total=len(prompts), disable=not progress):
+            row = {"category": prompt.category, "prompt": prompt.text[:200], "prompt_tokens": ids.numel()}
             for m in methods:
                 calls = counter.calls
                 t0 = time.perf_counter()
@@ -169,12 +133,59 @@ def run_bench(
                 seconds = time.perf_counter() - t0
                 row[m] = {"tokens": tokens, "seconds": seconds, "passes": counter.calls - calls}
                 if stats is not None:
-                    row[m]["accepted_hist"] = stats.accepted_hist
-                    row[m]["nodes_hist"] = stats.nodes_hist
+                    row[m].update(accepted_hist=stats.accepted_hist, nodes_hist=stats.nodes_hist,
+                                  draft_s=stats.draft_s, verify_s=stats.verify_s, steps=stats.verify_steps)
             rows.append(row)
+            if log:
+                log.append(row)
     finally:
         counter.close()
     return {"methods": summarize(rows, methods, compare=temperature == 0), "per_prompt": rows}
+
+
+class PartialResults:
+    """Per-prompt results appended to a JSONL file as they come (line 1: the run's fingerprint),
+    so a stopped benchmark keeps what it measured and the same command resumes it."""
+
+    def __init__(self, path: str | Path, fingerprint: dict):
+        self.path = Path(path)
+        self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
+
+    def rows(self) -> list[dict]:
+        """The rows already measured by a run with this fingerprint (a torn last line is dropped)."""
+        if not self.path.exists():
+            return []
+        lines = self.path.read_text(encoding="utf-8").split("\n")
+        try:
+            head = json.loads(lines[0])
+        except json.JSONDecodeError:
+            raise UserError(f"{self.path} is not a specheads bench progress file: remove it to start over") from None
+        if head != {"fingerprint": self.fingerprint}:
+            raise UserError(f"{self.path} holds a benchmark with other settings: remove it (or use another --out) to start over")
+        rows = []
+        for line in lines[1:]:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # the line a stop cut short
+        return rows
+
+    def append(self, row: dict) -> None:
+        fresh = not self.path.exists()
+        if not fresh:  # drop a torn last line before appending
+            data = self.path.read_bytes()
+            if not data.endswith(b"\n"):
+                with open(self.path, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
+        with open(self.path, "a", encoding="utf-8") as f:
+            if fresh:
+                f.write(json.dumps({"fingerprint": self.fingerprint}) + "\n")
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _spec(verifier, drafter, ids, max_new_tokens, eos, tree, temperature=0.0, seed=0):
@@ -243,6 +254,7 @@ def _agg(rows: list[dict], m: str, compare: bool = True) -> dict:
     tokens = sum(len(r[m]["tokens"]) for r in rows)
     seconds = sum(r[m]["seconds"] for r in rows)
     passes = sum(r[m]["passes"] for r in rows)
+    steps = sum(r[m].get("steps", 0) for r in rows)
     res = {
         "n": len(rows),
         "tokens": tokens,
@@ -251,33 +263,12 @@ def _agg(rows: list[dict], m: str, compare: bool = True) -> dict:
         # passes after the prefill: each generation's first pass is its prompt
         "tau": tokens / max(1, passes - len(rows)),
     }
+    if steps:  # the engine's own split of its time per verify step
+        res["draft_ms_per_step"] = 1e3 * sum(r[m]["draft_s"] for r in rows) / steps
+        res["verify_ms_per_step"] = 1e3 * sum(r[m]["verify_s"] for r in rows) / steps
     if compare and m != "vanilla" and rows and "vanilla" in rows[0]:
         res["identical"] = sum(r[m]["tokens"] == r["vanilla"]["tokens"] for r in rows)
     return res
-
-
-def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int = 256, repeats: int = 7) -> dict:
-    """Median wall time of one verify pass over ``n`` tree nodes after a ``prefix_len`` prefix,
-    for each ``n`` in ``nodes``; returns ``{"seconds": {n: s}, "relative": {n: s / s(1)}}``."""
-    verifier = Verifier(model)
-    vocab = verifier.vocab_size
-    g = torch.Generator().manual_seed(0)
-    verifier.prefill(torch.randint(0, vocab, (prefix_len,), generator=g))
-    seconds = {}
-    for n in nodes:
-        tree = build_tree([-1] + [(i - 1) // 2 for i in range(1, n)])  # a binary tree
-        tokens = torch.randint(0, vocab, (n,), generator=g)
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            verifier.verify(tokens, tree)
-            if verifier.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            verifier.rollback()
-        seconds[n] = statistics.median(times[1:])
-    base = seconds[nodes[0]]
-    return {"prefix_len": prefix_len, "seconds": seconds, "relative": {n: s / base for n, s in seconds.items()}}
 
 
 def environment() -> dict:
@@ -322,16 +313,7 @@ def plot_results(results: dict, path: str | Path) -> None:
     ax.set_xlabel("accepted drafts + bonus")
     ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    from heads.io import write_atomic
+
+    write_atomic(Path(path), lambda p: fig.savefig(p, format="png", dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
-
-
-def write_json(obj, path: str | Path) -> None:
-    """Write JSON atomically (temp file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)

@@ -1,8 +1,8 @@
 """The ``specheads`` command line: ``generate``, ``chat``, ``bench``, ``cost``, ``distill``,
-``train``, ``push`` and ``export``.
+``train``, ``push``, ``export`` and ``selfcheck``.
 
 Every bad argument or input ends with one line on stderr (``specheads: error: ...``) and exit
-status 2, never a traceback.
+status 2, never a traceback; arguments and output paths are checked before anything is loaded.
 """
 
 from __future__ import annotations
@@ -20,14 +20,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', a model directory or a Hub id")
+    p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', 'random:<preset>' (a real shape with random weights: llama-3.1-8b, qwen3-8b, llama-3.2-1b, mistral-7b, smollm2-135m) or 'random:<dir with config.json>', a model directory or a Hub id")
     p.add_argument("--draft", default="auto", help="'auto' (the default: the heads shipped for this verifier, if any, together with prompt lookup; else prompt lookup), 'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), a draft-head checkpoint directory / Hub id, or several joined by '+' (e.g. default+pld: verify the union of their drafts)")
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
     p.add_argument("--tree-budget", choices=("auto", "fixed"), default="auto",
                    help="auto: measure the verify-cost curve at load; trained heads size each dynamic tree for the most tokens per second and prompt lookup sizes its drafts by it. fixed: heads always use the tree's num_nodes, prompt lookup the built-in curve")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--device", default="cpu")
+    _add_placement(p)
+
+
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="the verifier's dtype: auto = float32 on CPU, the checkpoint's dtype (bf16 if none) on a GPU; heads follow it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,72 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nodes", default="1,4,8,16,32,64")
     c.add_argument("--prefix-len", type=int, default=256)
     c.add_argument("--repeats", type=int, default=7)
-    c.add_argument("--device", default="cpu")
+    _add_placement(c)
     c.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("selfcheck", help="check the engine on a device and measure it (make gpu-check): one JSON and one PNG")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--out", required=True, help="output directory (selfcheck.json, selfcheck.png)")
+    s.add_argument("--small", action="store_true", help="small shapes (a CPU dry run, as CI does)")
+    s.add_argument("--parts", default="identity,speed,cli")
+    s.add_argument("--prompts", default=None, help="prompt file for the command-line part (default: the bundled unseen prompts)")
     return parser
-
-
-def make_drafter(name: str, tree, model, budget: str = "auto"):
-    """``auto`` (the shipped heads trained for ``model``, with prompt lookup; else prompt lookup),
-    ``pld``, ``none``, the name of a head shipped in the package (``default``), a draft-head
-    checkpoint (directory or Hub id) for ``model``, or several of them joined by ``+`` (e.g.
-    ``default+pld``: each step verifies the union of their drafts). ``tree`` shapes the first
-    drafter; under ``auto``, the first one that grows that kind of tree (prompt lookup grows any).
-    With ``budget="auto"`` the verifier's cost curve is measured (a second or two) and drafts are
-    sized by it."""
-    from pathlib import Path
-
-    from heads.io import PRETRAINED_DIR, pretrained_for, pretrained_names
-
-    from .drafters import NoDrafter, PromptLookupDrafter, UnionDrafter
-
-    auto = name == "auto"
-    if auto:  # explicit paths: a local directory that happens to share a shipped name is not picked up
-        parts = [str(PRETRAINED_DIR / n) for n in pretrained_for(model)] + ["pld"]
-    else:
-        parts = [name] if Path(name).is_dir() else name.split("+")
-    shipped = pretrained_names()
-    for part in parts:
-        is_head = part in shipped or Path(part).is_dir() or (part.count("/") == 1 and not Path(part).exists())
-        if part not in ("pld", "none") and not is_head:
-            names = ", ".join([*shipped, "pld", "none"])
-            raise UserError(f"unknown draft {part!r}: use {names}, a draft-head checkpoint directory or Hub id, or several joined by +")
-    if len(parts) > 1 and "none" in parts:
-        raise UserError(f"--draft {name!r}: 'none' cannot be combined with other drafts")
-    if parts == ["none"]:
-        return NoDrafter()
-    cost = None
-    if budget == "auto":
-        from .bench import measure_verify_cost
-        from .cost import VerifyCost
-
-        cost = VerifyCost.from_measurement(measure_verify_cost(model, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3))
-        if cost is None:
-            import logging
-
-            logging.getLogger("specheads").info("the verify-cost curve is within timing noise: using the fixed tree budget")
-
-    def one(part: str, tree_):
-        if part == "pld":
-            return PromptLookupDrafter(tree=tree_) if cost is None else PromptLookupDrafter(tree=tree_, cost=cost)
-        from .head_drafters import load_head_drafter
-
-        return load_head_drafter(part, model, tree_, cost)
-
-    target = 0  # the drafter that --tree shapes (the drafters carry their trees; none is passed per call)
-    if auto and tree is not None:  # a head that grows this kind of tree, else prompt lookup (last)
-        target = next((i for i, part in enumerate(parts) if part == "pld" or _tree_fits(part, tree)), len(parts) - 1)
-    drafters = [one(part, tree if i == target else None) for i, part in enumerate(parts)]
-    return drafters[0] if len(drafters) == 1 else UnionDrafter(drafters)
-
-
-def _tree_fits(head_path: str, tree) -> bool:
-    """Whether the head at ``head_path`` grows ``tree``'s kind of tree (Medusa: static, EAGLE: dynamic)."""
-    from heads.io import read_config, resolve
-
-    from .tree import StaticTreeSpec
-
-    return (read_config(resolve(head_path)).head_type in ("medusa", "medusa2")) == isinstance(tree, StaticTreeSpec)
 
 
 def _tree(args):
@@ -166,25 +116,51 @@ def _tree(args):
     return load_tree_spec(args.tree) if args.tree else None
 
 
-def _load(args):
-    from .models import load_verifier
+def _params(args, **kw):
+    from .params import SamplingParams
 
-    return load_verifier(args.verifier, device=args.device)
+    return SamplingParams(max_new_tokens=args.max_new_tokens, **kw)
+
+
+def _check_prompt_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError("the prompt is not valid UTF-8 (it holds undecodable bytes): pass it as UTF-8 text") from None
+
+
+def _load(args):
+    """The verifier (after the device was checked: a bad --device fails before any loading)."""
+    from . import models
+
+    return models.load_verifier(args.verifier, dtype=args.dtype, device=args.device)
+
+
+def _check_device(args) -> None:
+    from .models import resolve_device
+
+    resolve_device(args.device)
 
 
 def cmd_generate(args) -> int:
     from .engine import stream
+    from .loading import load_drafter
     from .text import encode_prompt, eos_ids
 
+    params = _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                     acceptance=args.acceptance)
+    _check_prompt_text(args.prompt)
+    if not args.prompt.strip():
+        raise UserError("the prompt is empty: give some text")
     tree = _tree(args)
+    _check_device(args)
     lv = _load(args)
-    drafter = make_drafter(args.draft, tree, lv.model, args.tree_budget)
+    if lv.tokenizer is None:
+        raise UserError(f"verifier {args.verifier!r} has no tokenizer: generate needs text (random shapes without one: use bench or cost)")
+    drafter = load_drafter(args.draft, lv.model, tree=tree, budget=args.tree_budget)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
-    chunks = stream(
-        lv.model, drafter, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, eos_token_id=eos_ids(lv.model, lv.tokenizer),
-        stop=args.stop, tokenizer=lv.tokenizer, acceptance=args.acceptance,
-    )
+    chunks = stream(lv.model, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
+                    stop=args.stop, tokenizer=lv.tokenizer)
     if args.compare:  # warm both paths up so that the timings compare steady states
         from .bench import hf_generate
 
@@ -243,47 +219,50 @@ def _compare(lv, ids, tokens, stats, args) -> None:
 def cmd_bench(args) -> int:
     from pathlib import Path
 
-    from .bench import (
-        MT_BENCH_GROUP,
-        add_efficiency,
-        environment,
-        measure_verify_cost,
-        plot_results,
-        read_prompts,
-        run_bench,
-        write_json,
-    )
+    from heads.io import write_atomic
+
+    from .bench import add_efficiency, environment, plot_results, run_bench
+    from .cost import measure_verify_cost
+    from .files import check_output_file
+    from .loading import load_drafter
+    from .prompts import MT_BENCH_GROUP, read_prompts
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if not methods:
         raise UserError("--methods is empty: give a comma-separated subset of vanilla,hf-pld,spec")
     if args.limit is not None and args.limit < 1:
         raise UserError("--limit must be >= 1")
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be >= 1")
+    _params(args, temperature=args.temperature, seed=args.seed)
+    out = check_output_file(args.out, "--out")
+    partial = out.with_name(out.name + ".partial.jsonl")
+    check_output_file(partial, "the progress file")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     prompts = read_prompts(args.prompts, args.limit, MT_BENCH_GROUP if args.group_mt_bench else None)
     tree = _tree(args)
-    if args.temperature < 0:
-        raise UserError("--temperature must be >= 0")
-    lv = _load(args)
     names = [d.strip() for d in args.draft.split(",") if d.strip()]
-    drafters = {Path(d).name or d: make_drafter(d, tree, lv.model, args.tree_budget) for d in names}
-    if len(drafters) != len(names):
+    labels = [Path(d).name or d for d in names]
+    if len(set(labels)) != len(labels):
         raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component)")
+    _check_device(args)
+    lv = _load(args)
+    if lv.tokenizer is None:
+        raise UserError(f"verifier {args.verifier!r} has no tokenizer: bench reads text prompts")
+    drafters = {label: load_drafter(d, lv.model, tree=tree, budget=args.tree_budget) for label, d in zip(labels, names)}
+    config = {"verifier": args.verifier, "draft": args.draft, "tree": args.tree, "tree_budget": args.tree_budget,
+              "temperature": args.temperature, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
+              "limit": args.limit, "chat": args.chat, "dtype": args.dtype, "device": args.device}
     results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
-                        temperature=args.temperature, seed=args.seed)
-    results["config"] = {
-        "command": "specheads " + " ".join(sys.argv[1:]), "verifier": args.verifier, "draft": args.draft,
-        "tree": args.tree, "tree_budget": args.tree_budget, "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "n_prompts": len(prompts), **environment(),
-    }
+                        temperature=args.temperature, seed=args.seed, partial=partial, fingerprint=config)
+    results["config"] = {"command": "specheads " + " ".join(sys.argv[1:]), **config, "n_prompts": len(prompts), **environment()}
     if args.verify_cost:
         results["verify_cost"] = measure_verify_cost(lv.model)
         add_efficiency(results, results["verify_cost"])
-    write_json(results, args.out)
+    write_atomic(out, lambda p: p.write_text(json.dumps(results, indent=1, default=str)))
     if args.plot:
         plot_results(results, args.plot)
+    partial.unlink(missing_ok=True)
     print(format_table(results))
     return 0
 
@@ -304,12 +283,15 @@ def format_table(results: dict) -> str:
 
 def cmd_chat(args) -> int:
     from .chat import ChatSession, run_chat
-    from .engine import _check_params
+    from .loading import load_drafter
 
-    _check_params(args.max_new_tokens, args.temperature, args.top_p, args.top_k, "exact")
+    _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     tree = _tree(args)
+    _check_device(args)
     lv = _load(args)
-    drafter = make_drafter(args.draft, tree, lv.model, args.tree_budget)
+    if lv.tokenizer is None:
+        raise UserError(f"verifier {args.verifier!r} has no tokenizer: chat needs text")
+    drafter = load_drafter(args.draft, lv.model, tree=tree, budget=args.tree_budget)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen))
@@ -336,6 +318,12 @@ def cmd_export(args) -> int:
         elif args.format == "eagle3":
             out = export_eagle3(head, args.out, dtype=dtype)
         else:
+            from heads.io import resolve
+
+            if (resolve(args.draft) / "adapter").is_dir():
+                print("specheads: warning: this is a Medusa-2 head: its LoRA adapter (adapter/) is not part of the medusa "
+                      "export, so the verifier vLLM serves will lack it (merge the adapter into the verifier and serve that "
+                      "as the target)", file=sys.stderr)
             verifier = None
             if head.config.head_type == "medusa" and head.lm_heads is None:
                 from .models import load_verifier
@@ -349,7 +337,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_cost(args) -> int:
-    from .bench import measure_verify_cost
+    from .cost import measure_verify_cost
 
     try:
         nodes = tuple(int(n) for n in args.nodes.split(","))
@@ -357,6 +345,7 @@ def cmd_cost(args) -> int:
         raise UserError(f"--nodes must be comma-separated integers, not {args.nodes!r}") from None
     if not nodes or min(nodes) < 1 or args.prefix_len < 1 or args.repeats < 1:
         raise UserError("--nodes, --prefix-len and --repeats must be positive")
+    _check_device(args)
     lv = _load(args)
     cost = measure_verify_cost(lv.model, nodes, prefix_len=args.prefix_len, repeats=args.repeats)
     if args.json:
@@ -367,14 +356,52 @@ def cmd_cost(args) -> int:
     return 0
 
 
-def _run(cmd: list[str]) -> int:
-    """Run a training-side program in a child process (infer never imports train)."""
+def _run(cmd: list[str], *, launcher: bool = False) -> int:
+    """Run a training-side program in a child process (infer never imports train); its exit status.
+
+    ``launcher``: ``cmd`` is ``accelerate launch``, which ends a failed run with its own
+    ``CalledProcessError`` traceback after the program's one-line error. Its stderr is streamed
+    as it comes (progress bars' ``\\r`` lines too) up to the last traceback, which is dropped when
+    it is the launcher's, and the program's own exit status (2 for a user error) is returned
+    instead of accelerate's 1."""
+    import codecs
+    import os
+    import re
     import subprocess
 
     try:
-        return subprocess.call(cmd)
+        if not launcher:
+            return subprocess.call(cmd)
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
     except FileNotFoundError as e:
         raise UserError(f"cannot run {cmd[0]}: {e.strerror}") from None
+    marker = "Traceback (most recent call last):"
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    pending, held = "", None  # an incomplete last line; from the first traceback on, everything
+    while chunk := os.read(proc.stderr.fileno(), 65536):
+        text = pending + decoder.decode(chunk)
+        pending = ""
+        if held is not None:
+            held += text
+            continue
+        lines = re.split(r"(?<=[\r\n])", text)
+        pending = lines.pop()
+        for i, line in enumerate(lines):
+            if line.startswith(marker):
+                held, pending = "".join(lines[i:]) + pending, ""
+                break
+            sys.stderr.write(line)
+        sys.stderr.flush()
+    proc.stderr.close()
+    code = proc.wait()
+    held = (held or "") + pending + decoder.decode(b"", final=True)
+    start = held.rfind(marker)
+    if start >= 0 and "CalledProcessError" in held[start:]:
+        status = re.search(r"returned non-zero exit status (\d+)", held[start:])
+        held, code = held[:start], int(status[1]) if status else code
+    sys.stderr.write(held)
+    sys.stderr.flush()
+    return code
 
 
 def cmd_distill(rest: list[str]) -> int:
@@ -382,15 +409,26 @@ def cmd_distill(rest: list[str]) -> int:
 
 
 def cmd_train(args) -> int:
+    """Validate the recipe in a child process (``train_heads --check``: one line and exit 2 when it
+    is bad, before accelerate starts), then ``accelerate launch`` it, without the launcher's traceback."""
     import os
     import shutil
+    import subprocess
 
+    resume = ["--resume"] if args.resume else []
+    train_args = ["--config", args.config, *resume, *args.overrides]
+    check = subprocess.run([sys.executable, "-m", "train.train_heads", "--check", *train_args], capture_output=True, text=True)
+    if check.returncode == 2:
+        lines = check.stderr.strip().splitlines() or ["the training config is not valid"]
+        raise UserError(lines[-1].removeprefix("train_heads: error: "))
+    if check.returncode != 0:
+        sys.stderr.write(check.stderr)
+        return check.returncode
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     if accelerate is None:
         raise UserError("accelerate is not installed: pip install accelerate")
     launch = ["--config_file", args.accelerate_config] if args.accelerate_config else ["--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    resume = ["--resume"] if args.resume else []
-    return _run([accelerate, "launch", *launch, "-m", "train.train_heads", "--config", args.config, *resume, *args.overrides])
+    return _run([accelerate, "launch", *launch, "-m", "train.train_heads", *train_args], launcher=True)
 
 
 def cmd_push(args) -> int:
@@ -406,13 +444,30 @@ def cmd_push(args) -> int:
     return 0
 
 
+def cmd_selfcheck(args) -> int:
+    from .files import check_output_dir
+    from .models import resolve_device
+    from .selfcheck import run_selfcheck
+
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    unknown = set(parts) - {"identity", "speed", "cli"}
+    if not parts or unknown:
+        raise UserError(f"--parts: choose from identity, speed, cli (got {args.parts!r})")
+    resolve_device(args.device)
+    out = check_output_dir(args.out, "--out")
+    results = run_selfcheck(args.device, out, small=args.small, parts=parts, prompts=args.prompts)
+    errors = [p for p in parts if isinstance(results.get(p), dict) and "error" in results[p]]
+    print(f"{out / 'selfcheck.json'} and {out / 'selfcheck.png'} written" + (f"; parts with errors: {', '.join(errors)}" if errors else ""))
+    return 1 if errors else 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["distill"]:  # its options belong to train/distill.py
         return cmd_distill(argv[1:])
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost, "chat": cmd_chat, "train": cmd_train,
-                "push": cmd_push, "export": cmd_export}
+                "push": cmd_push, "export": cmd_export, "selfcheck": cmd_selfcheck}
     try:
         return commands[args.command](args)
     except UserError as e:

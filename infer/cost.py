@@ -9,6 +9,7 @@ that cost. :class:`VerifyCost` holds the measured curve (``specheads cost`` meas
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -44,7 +45,7 @@ class VerifyCost:
 
     @classmethod
     def from_measurement(cls, measured: dict, min_token_seconds: float = 2e-3) -> VerifyCost | None:
-        """From :func:`infer.bench.measure_verify_cost`'s result, made non-decreasing (a bigger
+        """From :func:`measure_verify_cost`'s result, made non-decreasing (a bigger
         tree never costs less; a dip is timing noise). ``None`` when the measurement cannot be
         trusted to size trees: one token takes under ``min_token_seconds`` (tiny models, where
         Python overhead and noise dominate). A flat curve is kept: big trees are then cheap."""
@@ -136,6 +137,33 @@ class OnlineCost:
 
     def table(self, n_max: int, device=None) -> torch.Tensor:
         return self._curve.table(n_max, device)
+
+
+def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int = 256, repeats: int = 7) -> dict:
+    """Median wall time of one verify pass over ``n`` tree nodes after a ``prefix_len`` prefix,
+    for each ``n`` in ``nodes``; returns ``{"seconds": {n: s}, "relative": {n: s / s(1)}}``."""
+    from .tree import build_tree
+    from .verifier import Verifier
+
+    verifier = Verifier(model)
+    vocab = verifier.vocab_size
+    g = torch.Generator().manual_seed(0)
+    verifier.prefill(torch.randint(0, vocab, (prefix_len,), generator=g))
+    seconds = {}
+    for n in nodes:
+        tree = build_tree([-1] + [(i - 1) // 2 for i in range(1, n)])  # a binary tree
+        tokens = torch.randint(0, vocab, (n,), generator=g)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            verifier.verify(tokens, tree)
+            if verifier.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            verifier.rollback()
+        seconds[n] = statistics.median(times[1:])
+    base = seconds[nodes[0]]
+    return {"prefix_len": prefix_len, "seconds": seconds, "relative": {n: s / base for n, s in seconds.items()}}
 
 
 #: Measured with `specheads cost` for the default verifier on the 2-core CPU machine (BENCHMARKS.md).

@@ -9,7 +9,6 @@ distribution exactly (``acceptance="typical"`` is the documented lossy exception
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -19,6 +18,7 @@ import torch
 from .accept import greedy_accept, sample_accept, typical_accept, warp_probs
 from .drafters import Drafter, NoDrafter
 from .errors import UserError
+from .params import SamplingParams
 from .tree import TreeSpec
 from .verifier import Verifier
 
@@ -69,17 +69,25 @@ class Chunk:
     stats: GenerationStats
 
 
-def _check_params(max_new_tokens, temperature, top_p, top_k, acceptance) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and 0 <= temperature <= 100):
-        raise UserError(f"temperature must be between 0 (greedy) and 100, not {temperature!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise UserError(f"top_p must be in (0, 1], not {top_p!r}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise UserError(f"top_k must be a non-negative integer (0 = off), not {top_k!r}")
-    if acceptance not in ("exact", "typical"):
-        raise UserError(f"acceptance must be 'exact' or 'typical', not {acceptance!r}")
+def check_prompt_ids(input_ids) -> torch.Tensor:
+    """The prompt as a 1-D long tensor on the host, or a :class:`UserError` naming what is
+    expected: ``[L]`` or ``[1, L]`` integer token ids (one prompt: batches are not supported yet)."""
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids
+    else:
+        try:
+            ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise UserError("input_ids must be a sequence of integer token ids or a tensor of shape [L] or [1, L]") from None
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise UserError(f"input_ids must hold integer token ids (torch.long), not {ids.dtype}")
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise UserError(f"input_ids must have shape [L] or [1, L] (one prompt; batches are not supported yet), not {list(ids.shape)}")
+    if ids.numel() == 0:
+        raise UserError("the prompt is empty: give at least one token")
+    return ids.to(torch.long).cpu()
 
 
 class _Stopper:
@@ -126,11 +134,12 @@ def stream(
     drafter: Drafter | None,
     input_ids,
     *,
-    max_new_tokens: int,
+    max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
+    params: SamplingParams | None = None,
     generator: torch.Generator | None = None,
     tree: TreeSpec | None = None,
     eos_token_id: int | Sequence[int] | None = None,
@@ -143,20 +152,23 @@ def stream(
     Args:
         verifier: a :class:`~infer.verifier.Verifier` or an HF causal LM (batch 1).
         drafter: proposes the trees; ``None`` decodes plainly through the same loop.
-        input_ids: ``[L]`` or ``[1, L]`` prompt token ids.
+        input_ids: ``[L]`` or ``[1, L]`` integer prompt token ids (one prompt).
         max_new_tokens: exact upper bound on new tokens.
         temperature: 0 = greedy; otherwise sample with ``top_p`` / ``top_k`` as HF does.
-        seed / generator: randomness for sampling and for drafters that sample.
+        seed / generator: randomness for sampling.
+        params: all of ``max_new_tokens`` .. ``seed`` and ``acceptance`` as one
+            :class:`~infer.params.SamplingParams` (then those arguments are ignored).
         tree: overrides the drafter's tree shape.
         eos_token_id: token id(s) that end generation (included in the output, as in HF).
         stop: strings that end generation once the decoded output contains one (needs
             ``tokenizer``); the output ends with the token that completed the stop string.
         acceptance: ``"exact"`` (lossless) or ``"typical"`` (Medusa typical acceptance, lossy).
     """
-    _check_params(max_new_tokens, temperature, top_p, top_k, acceptance)
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).cpu()
-    if ids.numel() == 0:
-        raise UserError("the prompt is empty: give at least one token")
+    if params is None:
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, acceptance)
+    max_new_tokens, temperature, top_p, top_k, seed, acceptance = (
+        params.max_new_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.acceptance)
+    ids = check_prompt_ids(input_ids)
     drafter = drafter or NoDrafter()
     if not isinstance(verifier, Verifier):
         verifier = Verifier(verifier)
@@ -166,7 +178,7 @@ def stream(
         raise UserError(f"prompt token ids must be in [0, {vocab}) for this verifier")
     verifier.check_fits(ids.numel() + max_new_tokens)
     stopper = _Stopper(max_new_tokens, eos_token_id, stop, tokenizer)
-    greedy = temperature == 0 and acceptance == "exact"
+    greedy = params.greedy
     if generator is None and not greedy:
         generator = torch.Generator(device=verifier.device)
         generator.manual_seed(seed if seed is not None else torch.seed())

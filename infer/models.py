@@ -5,6 +5,15 @@
 * a local directory or a Hub id: ``AutoModelForCausalLM.from_pretrained`` as given.
 * ``tiny-random:<arch>``: a seeded random model of a supported architecture with a byte-level
   tokenizer, built in memory (for tests, CI and quick experiments; nothing is downloaded).
+* ``random:<preset>`` or ``random:<dir with config.json>``: a model of a real architecture's
+  exact shape (``llama-3.1-8b``, ``qwen3-8b``, ...) with seeded random weights, built directly on
+  the target device in the target dtype, for measuring cost on any hardware without a download.
+  Its tokenizer: the one saved in the directory if any, else the byte tokenizer when the
+  vocabulary holds it, else none (work on token ids). Its outputs are noise: the acceptance of a
+  trained head means nothing on it, while oracle drafts give a known tau.
+
+Dtypes (``dtype=``, ``--dtype``): ``auto`` is float32 on CPU and the checkpoint's dtype (bfloat16
+when it records none) on a GPU; ``bf16``, ``fp16``, ``fp32`` force one.
 """
 
 from __future__ import annotations
@@ -27,11 +36,107 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_t
 
 @dataclass
 class LoadedVerifier:
-    """A verifier model with its tokenizer and the name it was loaded by."""
+    """A verifier model with its tokenizer (None: token ids only) and the name it was loaded by."""
 
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: object | None
     name: str
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = ("auto", *DTYPES)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A usable torch device, or a one-line UserError saying why not."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"unknown device {device!r}: use cpu, cuda or cuda:N (or mps)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {device!r}: no CUDA device is visible here (torch.cuda.is_available() is False); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise UserError(f"device {device!r}: MPS is not available here; use --device cpu")
+    elif dev.type != "cpu":
+        raise UserError(f"unsupported device {device!r}: use cpu, cuda or cuda:N (or mps)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, checkpoint_dtype=None) -> torch.dtype:
+    """``auto`` (or None): float32 on CPU, else the checkpoint's dtype (bfloat16 if it has none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cpu":
+            return torch.float32
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(torch, checkpoint_dtype.removeprefix("torch."), None)
+        return checkpoint_dtype if checkpoint_dtype in DTYPES.values() else torch.bfloat16
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
+    return DTYPES[dtype]
+
+
+#: Real architectures' shapes for ``random:<preset>`` (from their published config.json files).
+RANDOM_PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192}),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192}),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+                       max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+}
+
+
+def random_config(spec: str):
+    """The config of ``random:<spec>``: a preset name or a directory holding a config.json."""
+    from transformers import AutoConfig
+
+    if spec in RANDOM_PRESETS:
+        d = dict(RANDOM_PRESETS[spec])
+        return AutoConfig.for_model(d.pop("model_type"), bos_token_id=None, eos_token_id=None, pad_token_id=None, **d)
+    if (Path(spec) / "config.json").is_file():
+        try:
+            return AutoConfig.from_pretrained(spec)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read {spec}/config.json: {str(e).splitlines()[0]}") from None
+    raise UserError(f"unknown random verifier {spec!r}: use random:<preset> ({', '.join(RANDOM_PRESETS)}) "
+                    f"or random:<directory with a config.json>")
+
+
+def random_model(spec: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A model of ``random:<spec>``'s exact shape with seeded random weights, allocated directly
+    on ``device`` in ``dtype`` (no float32 copy on the CPU first)."""
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(spec)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
 
 
 def default_verifier_file() -> Path:
@@ -110,29 +215,43 @@ def byte_tokenizer():
     return fast
 
 
-def load_verifier(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedVerifier:
-    """Load a verifier by name: ``default``, ``tiny-random:<arch>``, a local directory or a Hub id."""
+def load_verifier(name: str, *, dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu") -> LoadedVerifier:
+    """Load a verifier by name: ``default``, ``tiny-random:<arch>``, ``random:<preset or dir>``, a
+    local directory or a Hub id, on ``device`` in ``dtype`` (see the module docstring)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dev = resolve_device(device)
     if name == "default":
         path = default_verifier_file()
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=resolve_dtype(dtype, dev))
     elif name.startswith("tiny-random:"):
         tokenizer = byte_tokenizer()
         # a moderate init: varied but patterned text, which heads can learn in a few seconds
         model = tiny_random_model(name.split(":", 1)[1], vocab_size=len(tokenizer), initializer_range=0.1)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model = model.to(dtype)
+        model = model.to(resolve_dtype(dtype, dev))
+    elif name.startswith("random:"):
+        spec = name.split(":", 1)[1]
+        config = random_config(spec)
+        model = random_model(spec, dtype=resolve_dtype(dtype, dev, getattr(config, "dtype", None)), device=dev)
+        tokenizer = None
+        if Path(spec).is_dir() and any((Path(spec) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = AutoTokenizer.from_pretrained(spec)
+        elif model.config.vocab_size >= 258:
+            tokenizer = byte_tokenizer()
     elif Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists() and " " not in name):
         try:
+            from transformers import AutoConfig
+
+            checkpoint_dtype = getattr(AutoConfig.from_pretrained(name), "dtype", None)
             tokenizer = AutoTokenizer.from_pretrained(name)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=resolve_dtype(dtype, dev, checkpoint_dtype))
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot load verifier {name!r}: {first}") from None
     else:
         raise UserError(
-            f"unknown verifier {name!r}: use 'default', 'tiny-random:<arch>', a local model directory or a Hub id"
+            f"unknown verifier {name!r}: use 'default', 'tiny-random:<arch>', 'random:<preset>', a local model directory or a Hub id"
         )
-    return LoadedVerifier(model.to(device).eval(), tokenizer, name)
+    return LoadedVerifier(model.to(dev).eval(), tokenizer, name)

@@ -186,6 +186,8 @@ def chain_spec(depth: int) -> StaticTreeSpec:
 def tree_spec_from_dict(data: dict) -> TreeSpec:
     """Parse ``{"type": "static", "choices": [[0], [0, 0], ...]}`` or
     ``{"type": "dynamic", "depth": D, "top_k": K, "num_nodes": N}``; unknown keys are refused."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a tree file holds one JSON object with a \"type\" key, not a {type(data).__name__}")
     kind = data.get("type")
     fields = {k: v for k, v in data.items() if k not in ("type", "description")}
     if kind == "static":

@@ -123,7 +123,7 @@ def test_console_script_exit_code():
 
 
 def test_prompt_files_may_hold_unicode_line_separators(tmp_path):
-    from infer.bench import read_prompts
+    from infer.prompts import read_prompts
     from train.data import load_prompts
 
     f = tmp_path / "p.jsonl"

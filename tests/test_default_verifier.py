@@ -36,11 +36,11 @@ def test_greedy_output_identical_to_hf_generate(default):
 
 
 def test_shipped_default_head_is_lossless_and_accepts(default):
-    from infer.cli import make_drafter
+    from infer.loading import load_drafter
 
     eos = eos_ids(default.model, default.tokenizer)
     for draft in ("default", "default+pld"):
-        drafter = make_drafter(draft, None, default.model, budget="fixed")
+        drafter = load_drafter(draft, default.model, tree=None, budget="fixed")
         accepted = []
         for prompt in PROMPTS:
             ids = encode_prompt(default.tokenizer, prompt)

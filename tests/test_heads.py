@@ -16,7 +16,7 @@ from heads import (
     default_aux_layers,
     load_head,
 )
-from heads.modules import causal_mask
+from heads.masks import causal_mask
 from infer import generate
 from infer.errors import UserError
 from infer.head_drafters import EagleDrafter, MedusaDrafter, load_head_drafter
@@ -192,7 +192,7 @@ def test_hub_roundtrip_without_network(tmp_path, llama, monkeypatch):
 
 def test_auto_draft_picks_the_shipped_heads_of_this_verifier(tmp_path, monkeypatch, llama):
     import heads.io
-    from infer.cli import make_drafter
+    from infer.loading import load_drafter
     from infer.drafters import PromptLookupDrafter, UnionDrafter
 
     other = tiny_random_model("qwen2")
@@ -201,14 +201,54 @@ def test_auto_draft_picks_the_shipped_heads_of_this_verifier(tmp_path, monkeypat
     monkeypatch.setattr(heads.io, "PRETRAINED_DIR", tmp_path)
     assert heads.io.pretrained_names() == ["for-llama", "for-qwen"]
     assert heads.io.pretrained_for(llama) == ["for-llama"]
-    d = make_drafter("auto", None, llama, budget="fixed")
+    d = load_drafter("auto", llama, tree=None, budget="fixed")
     assert isinstance(d, UnionDrafter) and isinstance(d.drafters[0], EagleDrafter) and isinstance(d.drafters[1], PromptLookupDrafter)
-    assert isinstance(make_drafter("auto", None, tiny_random_model("mistral"), budget="fixed"), PromptLookupDrafter)
+    assert isinstance(load_drafter("auto", tiny_random_model("mistral"), tree=None, budget="fixed"), PromptLookupDrafter)
     with pytest.raises(UserError, match="trained for"):
-        make_drafter("for-qwen", None, llama, budget="fixed")  # a shipped head by name, wrong verifier
+        load_drafter("for-qwen", llama, tree=None, budget="fixed")  # a shipped head by name, wrong verifier
     from infer.tree import load_tree_spec
 
-    static = make_drafter("auto", load_tree_spec("chain-4"), llama, budget="fixed")  # a static tree: not for EAGLE
+    static = load_drafter("auto", llama, tree=load_tree_spec("chain-4"), budget="fixed")  # a static tree: not for EAGLE
     assert static.drafters[0].tree != load_tree_spec("chain-4") and static.drafters[1].tree == load_tree_spec("chain-4")
-    dynamic = make_drafter("auto", load_tree_spec("eagle2-32"), llama, budget="fixed")
+    dynamic = load_drafter("auto", llama, tree=load_tree_spec("eagle2-32"), budget="fixed")
     assert dynamic.drafters[0].tree == load_tree_spec("eagle2-32")
+
+
+def test_default_aux_layers_are_distinct_inputs_of_decoder_layers():
+    """vLLM and SGLang capture each id once, at the input of decoder layer 0..N-1 (HF
+    ``hidden_states[N]`` is after the final norm): three distinct ids below N whenever N >= 3."""
+    for n in range(3, 41):
+        aux = default_aux_layers(n)
+        assert list(aux) == sorted(set(aux)) and len(aux) == 3 and 0 <= aux[0] and aux[-1] < n, (n, aux)
+        if n >= 7:
+            assert aux == (2, n // 2, n - 3)  # EAGLE-3's own choice where it is already distinct
+    assert default_aux_layers(6) == (2, 3, 4) and default_aux_layers(3) == (0, 1, 2)
+    assert len(default_aux_layers(2)) == len(default_aux_layers(1)) == 3  # internal use only (export refuses)
+
+
+def test_shipped_head_keeps_its_recorded_aux_layers():
+    import heads.io
+
+    head = load_head(heads.io.PRETRAINED_DIR / "default")
+    assert head.config.aux_layers == (2, 15, 27)
+
+
+def test_head_follows_the_verifiers_dtype_unless_told(tmp_path):
+    from safetensors.torch import load_file
+
+    bf16 = tiny_random_model("llama", vocab_size=VOCAB, seed=1).to(torch.bfloat16)
+    fp32 = tiny_random_model("llama", vocab_size=VOCAB, seed=1).to(torch.bfloat16).float()  # same weights
+    head = make_head(bf16, "eagle3")
+    head.save_pretrained(tmp_path / "h", weights_dtype=torch.bfloat16)
+    assert load_file(str(tmp_path / "h" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    on_bf16 = load_head(tmp_path / "h", verifier=bf16)
+    assert on_bf16.fc.weight.dtype == torch.bfloat16 and on_bf16.midlayer.input_layernorm.weight.dtype == torch.bfloat16
+    assert on_bf16.d2t.dtype == torch.long and on_bf16.t2d.dtype == torch.bool
+    assert all(b.dtype == torch.bfloat16 for b in on_bf16.buffers() if b.is_floating_point())  # rotary inv_freq too
+    on_fp32 = load_head(tmp_path / "h", verifier=fp32)
+    assert on_fp32.fc.weight.dtype == torch.float32 and on_fp32.d2t.dtype == torch.long
+    assert load_head(tmp_path / "h").fc.weight.dtype == torch.float32  # no verifier: float32 on the CPU
+    forced = load_head(tmp_path / "h", verifier=bf16, dtype=torch.float32, device="cpu")
+    assert forced.fc.weight.dtype == torch.float32 and forced.fc.weight.device.type == "cpu"
+    via_class = type(head).from_pretrained(tmp_path / "h", verifier=bf16)
+    assert via_class.fc.weight.dtype == torch.bfloat16

@@ -2,7 +2,9 @@
 
 ``distill`` is resumable: records are appended one batch at a time (flushed and synced), a
 restarted run skips the ids already written, and a torn last line is dropped, so every record is
-written exactly once.
+written exactly once. Multi-turn prompts (``"turns"``) are played out turn by turn: the verifier
+answers the first user turn, its answer stays in the conversation, and so on; the record holds
+the whole conversation with the loss mask on every answer.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from pathlib import Path
 
 import torch
 
-from infer.bench import read_prompts
+from infer.prompts import read_prompts
 from infer.text import encode_prompt, eos_ids
 
 
 @dataclass(frozen=True)
 class Prompt:
+    """A prompt to distil: its first user turn (``text``) and, for conversations, the later ones."""
+
     id: str
     text: str
+    later_turns: tuple[str, ...] = ()
 
 
 def load_prompts(spec: str, limit: int = 0, seed: int = 0, shuffle: bool = False) -> list[Prompt]:
@@ -51,9 +56,7 @@ def _load_prompts(spec: str, seed: int) -> list[Prompt]:
         name, _, split = spec[3:].partition(":")
         ds = datasets.load_dataset(name, split=split or "train")
         return [Prompt(str(r.get("id", i)), r["prompt"]) for i, r in enumerate(ds)]
-    rows = [json.loads(line) for line in Path(spec).read_text(encoding="utf-8").split("\n") if line.strip()]
-    texts = read_prompts(spec)
-    return [Prompt(str(r.get("id", i)), p.text) for i, (r, p) in enumerate(zip(rows, texts))]
+    return [Prompt(p.id if p.id is not None else str(i), p.text, p.turns[1:]) for i, p in enumerate(read_prompts(spec))]
 
 
 def _read_done(path: Path) -> set[str]:
@@ -69,6 +72,52 @@ def _read_done(path: Path) -> set[str]:
     return {json.loads(line)["id"] for line in data.decode("utf-8").split("\n") if line.strip()}
 
 
+def _turn_joint(tokenizer, eos_text: str | None) -> callable:
+    """``joint(history, user_text, ended) -> ids``: the tokens that follow an assistant answer
+    in the chat template up to the next answer (its end-of-turn, the next user turn, the
+    generation prompt). ``ended``: the answer already ends with the end-of-turn token."""
+    mark = "\u2063SPECHEADS\u2063"
+
+    def joint(history: list[dict], user_text: str, ended: bool) -> list[int]:
+        def render(msgs, gen):
+            return tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+
+        before = render([*history, {"role": "assistant", "content": mark}], False)
+        after = render([*history, {"role": "assistant", "content": mark}, {"role": "user", "content": user_text}], True)
+        if not after.startswith(before):
+            raise ValueError("this chat template rewrites earlier turns: multi-turn distillation needs one that appends")
+        tail = before[before.index(mark) + len(mark):]
+        if ended and eos_text and tail.startswith(eos_text):
+            tail = tail[len(eos_text):]
+        return tokenizer(tail + after[len(before):], add_special_tokens=False)["input_ids"]
+
+    return joint
+
+
+def _generate(model, seqs: list[list[int]], pad: int, eos: list[int], max_new_tokens: int, temperature: float) -> list[list[int]]:
+    """The verifier's continuations of ``seqs`` (left-padded into one batch), each cut after its
+    first end-of-sequence token."""
+    device = next(model.parameters()).device
+    width = max(len(e) for e in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, e in enumerate(seqs):  # left padding
+        ids[i, width - len(e) :] = torch.tensor(e)
+        mask[i, width - len(e) :] = 1
+    kwargs = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                         eos_token_id=eos or None, pad_token_id=pad, **kwargs)
+    responses = []
+    for i in range(len(seqs)):
+        resp = out[i, width:].tolist()
+        for j, t in enumerate(resp):
+            if t in eos:
+                resp = resp[: j + 1]
+                break
+        responses.append(resp)
+    return responses
+
+
 @torch.inference_mode()
 def distill(
     model,
@@ -81,11 +130,13 @@ def distill(
     temperature: float = 0.0,
     seed: int = 0,
     max_prompt_tokens: int = 768,
+    max_conversation_tokens: int = 1536,
     progress: bool = True,
 ) -> int:
     """Generate the verifier's responses (batched, greedy or sampled) and append records
-    ``{"id", "input_ids", "loss_mask"}`` (mask 1 on response tokens) to ``out_path``. Returns the
-    number of records written by this call."""
+    ``{"id", "input_ids", "loss_mask"}`` (mask 1 on response tokens) to ``out_path``. A
+    conversation's later turns are played out while it stays under ``max_conversation_tokens``.
+    Returns the number of records written by this call."""
     from tqdm.auto import tqdm
 
     out_path = Path(out_path)
@@ -94,32 +145,37 @@ def distill(
     todo = [p for p in prompts if p.id not in done]
     eos = eos_ids(model, tokenizer)
     pad = eos[0] if eos else 0
-    device = next(model.parameters()).device
+    eos_text = tokenizer.decode(eos[:1]) if eos else None
+    joint = _turn_joint(tokenizer, eos_text) if any(p.later_turns for p in todo) else None
     written = 0
     torch.manual_seed(seed)
     with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                                            desc="distill", disable=not progress) as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            encoded = [encode_prompt(tokenizer, p.text)[-max_prompt_tokens:] for p in batch]
-            width = max(len(e) for e in encoded)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, e in enumerate(encoded):  # left padding
-                ids[i, width - len(e) :] = e
-                mask[i, width - len(e) :] = 1
-            kwargs = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                                 eos_token_id=eos or None, pad_token_id=pad, **kwargs)
-            lines = []
-            for i, (p, e) in enumerate(zip(batch, encoded)):
-                resp = out[i, width:].tolist()
-                for j, t in enumerate(resp):
-                    if t in eos:
-                        resp = resp[: j + 1]
-                        break
-                rec = {"id": p.id, "input_ids": e.tolist() + resp, "loss_mask": [0] * len(e) + [1] * len(resp)}
-                lines.append(json.dumps(rec) + "\n")
+            seqs = [encode_prompt(tokenizer, p.text)[-max_prompt_tokens:].tolist() for p in batch]
+            masks = [[0] * len(e) for e in seqs]
+            history = [[{"role": "user", "content": p.text}] for p in batch]
+            live = list(range(len(batch)))
+            for turn in range(1 + max((len(p.later_turns) for p in batch), default=0)):
+                responses = _generate(model, [seqs[i] for i in live], pad, eos, max_new_tokens, temperature)
+                nxt = []
+                for i, resp in zip(live, responses):
+                    seqs[i] += resp
+                    masks[i] += [1] * len(resp)
+                    later = batch[i].later_turns
+                    if turn < len(later) and joint is not None:
+                        history[i].append({"role": "assistant", "content": tokenizer.decode(resp, skip_special_tokens=True)})
+                        ids = joint(history[i][:-1], later[turn], bool(resp) and resp[-1] in eos)
+                        if len(seqs[i]) + len(ids) + max_new_tokens <= max_conversation_tokens:
+                            history[i].append({"role": "user", "content": later[turn]})
+                            seqs[i] += ids
+                            masks[i] += [0] * len(ids)
+                            nxt.append(i)
+                live = nxt
+                if not live:
+                    break
+            lines = [json.dumps({"id": p.id, "input_ids": e, "loss_mask": m}) + "\n" for p, e, m in zip(batch, seqs, masks)]
             f.write("".join(lines))
             f.flush()
             os.fsync(f.fileno())

@@ -1,0 +1,49 @@
+"""Output paths, checked before any work (a benchmark must not run for an hour and then fail to
+write its results); writing itself goes through :func:`heads.io.write_atomic`."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+
+
+def _check_parent(path: Path, what: str) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise UserError(f"{what} {path}: the directory {parent} does not exist")
+    if not parent.is_dir():
+        raise UserError(f"{what} {path}: {parent} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".specheads-check-"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write {what} {path}: {e.strerror or e}") from None
+
+
+def check_output_file(path: str | Path, what: str = "output") -> Path:
+    """``path`` can be written as a file (its directory exists and is writable; it is not a
+    directory; an existing file is writable), or a one-line :class:`UserError`. Writes nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory: give a file path")
+    _check_parent(path, what)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"cannot write {what} {path}: permission denied")
+    return path
+
+
+def check_output_dir(path: str | Path, what: str = "output directory") -> Path:
+    """``path`` can be used as an output directory (it is one, or its parent is writable; it is
+    not an existing file), or a one-line :class:`UserError`. Creates nothing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is an existing file: give a directory")
+    if path.is_dir():
+        if not os.access(path, os.W_OK):
+            raise UserError(f"cannot write into {what} {path}: permission denied")
+        return path
+    _check_parent(path, what)
+    return path

@@ -1,0 +1,90 @@
+"""Choosing and loading drafters: what ``--draft`` accepts, as a library function.
+
+:func:`load_drafter` takes exactly the specs the command line does: ``auto`` (the heads shipped
+for this verifier together with prompt lookup; else prompt lookup), ``pld``, ``none``, the name
+of a shipped head (``default``), a head checkpoint (directory or Hub id), or several joined by
+``+`` (their drafts are verified as one trie). With ``budget="auto"`` each drafter sizes its
+drafts by the verifier's cost curve: a short probe at load, then the times the engine measures
+at every step (:class:`~infer.cost.OnlineCost`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .cost import OnlineCost, VerifyCost, measure_verify_cost
+from .drafters import Drafter, NoDrafter, PromptLookupDrafter, UnionDrafter
+from .errors import UserError
+from .tree import StaticTreeSpec, TreeSpec
+
+log = logging.getLogger("specheads")
+
+
+def draft_parts(spec: str, model) -> list[str]:
+    """The drafters a ``--draft`` spec names, checked (a one-line UserError otherwise); ``auto``
+    resolves to the shipped heads that fit ``model`` (by path), then ``pld``."""
+    from heads.io import PRETRAINED_DIR, pretrained_for, pretrained_names
+
+    spec = spec.strip()
+    if not spec:
+        raise UserError("--draft is empty: use auto, pld, none, a shipped head name or a head checkpoint")
+    if spec == "auto":  # explicit paths: a local directory that happens to share a shipped name is not picked up
+        return [str(PRETRAINED_DIR / n) for n in pretrained_for(model)] + ["pld"]
+    parts = [spec] if Path(spec).is_dir() else [p.strip() for p in spec.split("+")]
+    shipped = pretrained_names()
+    for part in parts:
+        is_head = part in shipped or Path(part).is_dir() or (part.count("/") == 1 and not Path(part).exists())
+        if part not in ("pld", "none") and not is_head:
+            names = ", ".join([*shipped, "pld", "none"])
+            raise UserError(f"unknown draft {part!r}: use auto, {names}, a draft-head checkpoint directory or Hub id, or several joined by +")
+    if len(parts) > 1 and "none" in parts:
+        raise UserError(f"--draft {spec!r}: 'none' cannot be combined with other drafts")
+    if len(set(parts)) != len(parts):
+        raise UserError(f"--draft {spec!r} names a drafter twice")
+    return parts
+
+
+def tree_fits(head_path: str, tree: TreeSpec) -> bool:
+    """Whether the head at ``head_path`` grows ``tree``'s kind of tree (Medusa: static, EAGLE: dynamic)."""
+    from heads.io import read_config, resolve
+
+    return (read_config(resolve(head_path)).head_type in ("medusa", "medusa2")) == isinstance(tree, StaticTreeSpec)
+
+
+def probe_cost(model) -> OnlineCost | None:
+    """The verify-cost curve to size drafts by: a short probe (about a second on a small model),
+    refined by the engine's own measurements. None when the model is so fast that the probe
+    is timing noise (tiny test models): drafts then keep their fixed size."""
+    prior = VerifyCost.from_measurement(measure_verify_cost(model, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3))
+    if prior is None:
+        log.info("the verify-cost curve is within timing noise: using the fixed tree budget")
+        return None
+    return OnlineCost(prior)
+
+
+def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str = "auto") -> Drafter:
+    """The drafter a ``--draft`` spec names, for verifier ``model`` (see the module docstring).
+
+    ``tree`` shapes the first drafter; under ``auto``, the first one that grows that kind of tree
+    (prompt lookup grows any). ``budget``: ``auto`` sizes drafts by the measured cost curve,
+    ``fixed`` uses the tree's node count. A head trained for another verifier is refused."""
+    if budget not in ("auto", "fixed"):
+        raise UserError(f"budget must be 'auto' or 'fixed', not {budget!r}")
+    parts = draft_parts(spec, model)
+    if parts == ["none"]:
+        return NoDrafter()
+    cost = probe_cost(model) if budget == "auto" else None
+
+    def one(part: str, tree_):
+        if part == "pld":
+            return PromptLookupDrafter(tree=tree_) if cost is None else PromptLookupDrafter(tree=tree_, cost=cost)
+        from .head_drafters import load_head_drafter
+
+        return load_head_drafter(part, model, tree_, cost)
+
+    target = 0  # the drafter that `tree` shapes (the drafters carry their trees; none is passed per call)
+    if spec.strip() == "auto" and tree is not None:  # a head that grows this kind of tree, else prompt lookup (last)
+        target = next((i for i, part in enumerate(parts) if part == "pld" or tree_fits(part, tree)), len(parts) - 1)
+    drafters = [one(part, tree if i == target else None) for i, part in enumerate(parts)]
+    return drafters[0] if len(drafters) == 1 else UnionDrafter(drafters)

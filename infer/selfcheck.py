@@ -1,0 +1,382 @@
+"""``specheads selfcheck``: one command that checks the engine on a device and measures it.
+
+    specheads selfcheck --device cuda --out results/gpu-check        # make gpu-check
+    specheads selfcheck --device cpu --small --out /tmp/check         # the CI-sized dry run
+
+Writes ``selfcheck.json`` (after every part, so a stop keeps what ran) and ``selfcheck.png``.
+Parts (``--parts``, default all):
+
+* ``identity``: greedy output against HF ``generate`` on the tiny random model of every family,
+  in float32 and bfloat16, with an oracle drafter (a 15-node binary tree that holds the
+  verifier's own continuation), a half-right one, prompt lookup and a random EAGLE-3 head.
+  float32 must be identical (it is the exactness reference); bfloat16 reports its share (a tree
+  pass computes node rows in a differently shaped batch than one-token decoding, so near-ties
+  can flip).
+* ``speed``: a real-shape random verifier (``random:llama-3.1-8b`` in bfloat16; ``--small``: a
+  small Llama) with a long prompt: HF ``generate`` tokens/s; the engine with no draft; oracle
+  chains of depth 1/3/5/7 and an oracle 31-node tree, each against its ideal speedup
+  ``tau x T(1) / T(n)`` from the verify-cost curve measured in the same run; a random EAGLE-3 head
+  on ``eagle2-32`` and on a 60-node tree (draft ms against verify ms per step, host reads per
+  step); the verify-cost curve for 1..128 nodes at two prefix lengths.
+* ``cli``: the command line end to end on ``random:smollm2-135m`` (``--small``:
+  ``tiny-random:llama``): ``distill`` tokens/s at a large batch, ``accelerate launch`` training
+  s/step of the EAGLE-3 recipe (bf16 on a GPU), and ``bench --verify-cost``.
+
+Random weights mean random text: a trained head's acceptance means nothing on them, while
+oracle drafts give a known tau, so speed and cost are those of real weights of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from .drafters import Draft, Drafter, PromptLookupDrafter, root_only
+from .tree import build_tree
+
+
+class OracleDrafter(Drafter):
+    """Drafts from a known continuation ``ref`` of the prompt (the verifier's own greedy output):
+    every node at depth ``d`` gets ``ref[g + d]`` with probability ``p_right`` (else a token it
+    is not), on a fixed tree shape ``parents``. ``p_right=1`` accepts a whole root-to-leaf path
+    each step: tau is the tree's depth + 1."""
+
+    def __init__(self, ref: list[int], prompt_len: int, parents: list[int], *, p_right: float = 1.0, seed: int = 0,
+                 vocab: int = 256, device=None):
+        self.ref, self.prompt_len, self.p_right, self.vocab = ref, prompt_len, p_right, vocab
+        self.shape = build_tree(parents)
+        self.depths = self.shape.depths.tolist()
+        self.device = device
+        self.tree_on_device = self.shape.to(device) if device is not None else self.shape
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def begin(self, prompt_ids, features=None):
+        self.committed = prompt_ids.numel()
+
+    def update(self, tokens, features=None):
+        self.committed += tokens.numel()
+
+    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
+        g = self.committed - self.prompt_len
+        if max_depth < self.shape.max_depth:
+            keep = [i for i, d in enumerate(self.depths) if d <= max_depth]
+            if len(keep) == 1:
+                return root_only(root, self.device)
+            index = {old: new for new, old in enumerate(keep)}
+            parents = self.shape.parents.tolist()
+            tree_ = build_tree([-1] + [index[parents[i]] for i in keep[1:]], device=self.device)
+        else:
+            keep, tree_ = range(len(self.depths)), self.tree_on_device
+        tokens = [root]
+        for i in list(keep)[1:]:
+            d = self.depths[i]
+            right = self.ref[g + d] if g + d < len(self.ref) else 0
+            ok = self.p_right >= 1 or float(torch.rand((), generator=self.rng)) < self.p_right
+            tokens.append(right if ok else (right + 1 + int(torch.randint(self.vocab - 1, (), generator=self.rng))) % self.vocab)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), tree_)
+
+
+def _binary(n: int) -> list[int]:
+    return [-1] + [(i - 1) // 2 for i in range(1, n)]
+
+
+def _chain(d: int) -> list[int]:
+    return [-1] + list(range(d))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
+    dev = model.get_input_embeddings().weight.device
+    ids = ids.view(1, -1).to(dev)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _timed(fn, device, repeats: int = 1):
+    fn()  # warm-up
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def _random_eagle3(model, draft_vocab: int, seed: int = 0):
+    from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
+
+    cfg = HeadConfig("eagle3", VerifierSpec.of(model, "random"), draft_vocab_size=min(draft_vocab, model.config.vocab_size),
+                     aux_layers=default_aux_layers(model.config.num_hidden_layers), layer_config=model.config.to_dict())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_head(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# parts
+# --------------------------------------------------------------------------------------------
+
+
+def part_identity(device: torch.device, small: bool) -> dict:
+    from .engine import generate
+    from .head_drafters import EagleDrafter
+    from .models import TINY_ARCHS, tiny_random_model
+    from .tree import DynamicTreeSpec
+
+    n_prompts, n_new = (2, 16) if small else (4, 48)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for arch in TINY_ARCHS:
+            model = tiny_random_model(arch, vocab_size=256, seed=1).to(device, dtype)
+            head = _random_eagle3(model, 200)
+            ok = {"oracle": 0, "half": 0, "pld": 0, "eagle3": 0, "n": n_prompts}
+            for p in range(n_prompts):
+                g = torch.Generator().manual_seed(p)
+                base = torch.randint(0, 256, (8,), generator=g)
+                ids = torch.cat([base, base, torch.randint(0, 256, (8,), generator=g)])
+                ref = _hf_greedy(model, ids, n_new)
+                drafters = {
+                    "oracle": OracleDrafter(ref, ids.numel(), _binary(15), device=device),
+                    "half": OracleDrafter(ref, ids.numel(), _binary(15), p_right=0.5, seed=p, device=device),
+                    "pld": PromptLookupDrafter(),
+                    "eagle3": EagleDrafter(head, model, DynamicTreeSpec(4, 4, 16), adaptive=False),
+                }
+                for name, d in drafters.items():
+                    ok[name] += int(generate(model, d, ids, max_new_tokens=n_new).token_ids == ref)
+            out[f"{arch}/{str(dtype).removeprefix('torch.')}"] = ok
+    fp32 = [v for k, v in out.items() if k.endswith("float32")]
+    out["fp32_all_identical"] = all(v[m] == v["n"] for v in fp32 for m in ("oracle", "half", "pld", "eagle3"))
+    bf16 = [v for k, v in out.items() if k.endswith("bfloat16")]
+    total = sum(v["n"] * 4 for v in bf16)
+    out["bf16_identical_share"] = sum(v[m] for v in bf16 for m in ("oracle", "half", "pld", "eagle3")) / total
+    return out
+
+
+def part_speed(device: torch.device, small: bool, record) -> dict:
+    from .cost import VerifyCost, measure_verify_cost
+    from .diagnostics import HostReadCounter
+    from .drafters import NoDrafter
+    from .engine import generate
+    from .head_drafters import EagleDrafter
+    from .models import random_model
+    from .tree import DynamicTreeSpec
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if small:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        name, prompt_len, n_new, prefixes, nodes = "small-llama", 64, 16, (64, 128), (1, 2, 4, 8, 16)
+    else:
+        model = random_model("llama-3.1-8b", dtype=dtype, device=device)
+        name, prompt_len, n_new, prefixes, nodes = "random:llama-3.1-8b", 512, 128, (512, 2048), (1, 2, 4, 8, 16, 32, 64, 128)
+    res = record({"verifier": name, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": prompt_len, "new_tokens": n_new})
+    vocab = model.config.vocab_size
+    for prefix in prefixes:
+        c = measure_verify_cost(model, nodes, prefix_len=prefix, repeats=3 if small else 10)
+        res[f"cost_prefix{prefix}"] = {"ms": {n: round(1e3 * s, 3) for n, s in c["seconds"].items()},
+                                       "relative": {n: round(r, 3) for n, r in c["relative"].items()}}
+        record(res)
+    curve_data = res[f"cost_prefix{prefixes[0]}"]["relative"]
+    curve = VerifyCost(tuple(curve_data), tuple(max(curve_data[n], 1.0) for n in curve_data))
+    ids = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    t_hf, ref = _timed(lambda: _hf_greedy(model, ids, n_new), device)
+    res["hf_generate_tok_s"] = round(n_new / t_hf, 2)
+    runs = res["engine"] = {}
+
+    def run(label, make, ideal_nodes=None):
+        try:
+            t, out = _timed(lambda: generate(model, make(), ids, max_new_tokens=n_new), device)
+            st = out.stats
+            with HostReadCounter() as reads:
+                generate(model, make(), ids, max_new_tokens=min(n_new, 16))
+            row = {"tok_s": round(n_new / t, 2), "speedup_vs_hf": round(t_hf / t, 3), "tau": round(st.mean_accepted, 3),
+                   "identical": out.token_ids == ref, "nodes_per_step": round(st.tree_nodes / max(1, st.verify_steps), 1),
+                   "draft_ms_per_step": round(1e3 * st.draft_s / max(1, st.verify_steps), 3),
+                   "verify_ms_per_step": round(1e3 * st.verify_s / max(1, st.verify_steps), 3),
+                   "host_reads": reads.total}
+            if ideal_nodes is not None:
+                row["ideal_speedup"] = round(st.mean_accepted / curve(ideal_nodes), 3)
+                row["achieved_over_ideal"] = round(row["speedup_vs_hf"] / row["ideal_speedup"], 3)
+            runs[label] = row
+        except Exception:  # noqa: BLE001 - a failed run is a finding: record it and go on
+            runs[label] = {"error": traceback.format_exc()[-2000:]}
+        record(res)
+
+    run("none", NoDrafter)
+    for d in (1, 3, 5, 7):
+        run(f"oracle_chain{d}", lambda d=d: OracleDrafter(ref, prompt_len, _chain(d), vocab=vocab, device=device), d + 1)
+    run("oracle_binary31", lambda: OracleDrafter(ref, prompt_len, _binary(31), vocab=vocab, device=device), 31)
+    head = _random_eagle3(model, 32000)
+    for label, spec in (("eagle3_random_eagle2-32", DynamicTreeSpec(6, 8, 32)), ("eagle3_random_60", DynamicTreeSpec(6, 10, 60))):
+        run(label, lambda spec=spec: EagleDrafter(head, model, spec, adaptive=False))
+    for label in ("eagle3_random_eagle2-32", "eagle3_random_60"):
+        r = runs.get(label, {})
+        if "draft_ms_per_step" in r and r["verify_ms_per_step"]:
+            r["draft_over_verify"] = round(r["draft_ms_per_step"] / r["verify_ms_per_step"], 3)
+    return res
+
+
+def _cli(args: list[str], timeout: int, env=None) -> dict:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"rc": "timeout", "s": round(time.perf_counter() - t0, 1)}
+    return {"rc": p.returncode, "s": round(time.perf_counter() - t0, 1), "tail": (p.stdout[-600:] + "\n" + p.stderr[-900:]).strip()}
+
+
+def part_cli(device: torch.device, small: bool, out: Path, prompts: Path, record) -> dict:
+    work = out / "cli"
+    work.mkdir(parents=True, exist_ok=True)
+    verifier = "tiny-random:llama" if small else "random:smollm2-135m"
+    n_prompts, batch, n_new = (16, 8, 24) if small else (512, 128, 256)
+    res = record({"verifier": verifier})
+    data = work / "distilled.jsonl"
+    data.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    d = _cli(["distill", "--verifier", verifier, "--device", str(device), "--prompts", str(prompts), "--out", str(data),
+              "--limit", str(n_prompts), "--batch-size", str(batch), "--max-new-tokens", str(n_new)], 600)
+    secs = time.perf_counter() - t0
+    tokens = sum(sum(json.loads(line)["loss_mask"]) for line in data.read_text().splitlines()) if data.exists() else 0
+    res["distill"] = {**d, "prompts": n_prompts, "batch": batch, "response_tokens": tokens,
+                      "response_tok_s": round(tokens / secs, 1) if tokens else None}
+    record(res)
+    steps = 6 if small else 60
+    acc = "configs/accelerate/single-gpu.yaml" if device.type == "cuda" else "configs/accelerate/cpu.yaml"
+    run_dir = work / "eagle3"
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", acc, "train/train_heads.py",
+           "--config", "configs/eagle3-default-cpu.yaml", f"verifier={verifier}", f"data={data}", "prompts=", f"output_dir={run_dir}",
+           f"max_steps={steps}", f"save_every={steps}", f"eval_every={steps}", "cache_features=false", "cache_dir=", "log_with=",
+           f"batch_size={4 if small else 16}", f"warmup_steps={max(1, steps // 10)}", "eval_fraction=0.1",
+           f"draft_vocab_size={200 if small else 8192}", f"mixed_precision={'bf16' if device.type == 'cuda' else 'no'}"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        rc, tail = p.returncode, (p.stdout[-800:] + p.stderr[-800:])
+    except subprocess.TimeoutExpired:
+        rc, tail = "timeout", ""
+    total = time.perf_counter() - t0
+    history = run_dir / "train_history.json"
+    step_s = None
+    if history.exists():
+        times = [h["step_s"] for h in json.loads(history.read_text())]
+        step_s = round(sorted(times)[len(times) // 2], 3) if times else None
+    res["train"] = {"rc": rc, "s": round(total, 1), "steps": steps, "median_step_s": step_s, "tail": tail[-800:]}
+    record(res)
+    bench_args = ["bench", "--verifier", verifier, "--device", str(device), "--draft", f"{run_dir},pld", "--prompts", str(prompts),
+                  "--limit", "2" if small else "4", "--max-new-tokens", "32" if small else "128", "--verify-cost",
+                  "--out", str(work / "bench.json"), "--no-chat" if verifier.startswith("tiny") else "--chat"]
+    res["bench"] = _cli(bench_args, 900)
+    if (work / "bench.json").exists():
+        summary = json.loads((work / "bench.json").read_text())["methods"]
+        res["bench"]["overall"] = {m: {k: v for k, v in r["overall"].items() if k in ("tokens_per_s", "tau", "speedup", "identical", "efficiency")}
+                                   for m, r in summary.items()}
+    record(res)
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+# --------------------------------------------------------------------------------------------
+
+
+def plot(results: dict, path: Path) -> None:
+    """Verify-cost curves, and achieved against ideal speedup of the oracle drafts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from heads.io import write_atomic
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    speed = results.get("speed", {})
+    for key, val in speed.items():
+        if key.startswith("cost_prefix") and isinstance(val, dict):
+            ns = sorted(int(n) for n in val["relative"])
+            axes[0].plot(ns, [val["relative"][n] if n in val["relative"] else val["relative"][str(n)] for n in ns], marker="o",
+                         label=f"prefix {key.removeprefix('cost_prefix')}")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("tree nodes")
+    axes[0].set_ylabel("verify time / one token")
+    axes[0].set_title(f"verify cost: {speed.get('verifier', '')} ({speed.get('dtype', '')})")
+    axes[0].legend()
+    runs = {k: v for k, v in speed.get("engine", {}).items() if "speedup_vs_hf" in v}
+    names = list(runs)
+    axes[1].bar(range(len(names)), [runs[n]["speedup_vs_hf"] for n in names], label="achieved (vs HF generate)")
+    axes[1].scatter([i for i, n in enumerate(names) if "ideal_speedup" in runs[n]],
+                    [runs[n]["ideal_speedup"] for n in names if "ideal_speedup" in runs[n]], color="red", zorder=3, label="ideal")
+    axes[1].set_xticks(range(len(names)), names, rotation=30, ha="right")
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[1].set_title("engine speed")
+    axes[1].legend()
+    fig.tight_layout()
+    write_atomic(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+
+
+def run_selfcheck(device: str, out: str | Path, *, small: bool = False, parts=("identity", "speed", "cli"),
+                  prompts: str | Path | None = None) -> dict:
+    """Run the parts, writing ``out/selfcheck.json`` after each; returns the results."""
+    from heads.io import write_atomic
+
+    from .models import resolve_device
+
+    dev = resolve_device(device)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = Path(prompts) if prompts else Path(__file__).resolve().parent / "presets" / "prompts" / "unseen.jsonl"
+    import transformers
+
+    results: dict = {"env": {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(dev),
+                             "small": small, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None},
+                     "time_s": {}}
+
+    def save() -> None:
+        write_atomic(out / "selfcheck.json", lambda p: p.write_text(json.dumps(results, indent=1, default=str)))
+
+    for name in parts:
+        t0 = time.perf_counter()
+
+        def record(partial: dict, name=name) -> dict:
+            results[name] = partial
+            save()
+            return partial
+
+        try:
+            if name == "identity":
+                record(part_identity(dev, small))
+            elif name == "speed":
+                part_speed(dev, small, record)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            elif name == "cli":
+                part_cli(dev, small, out, prompts, record)
+            else:
+                raise ValueError(f"unknown part {name!r}")
+        except Exception:  # noqa: BLE001 - record and go on to the next part
+            results[name] = {**(results.get(name) or {}), "error": traceback.format_exc()[-3000:]}
+        results["time_s"][name] = round(time.perf_counter() - t0, 1)
+        save()
+        print(f"selfcheck {name}: {results['time_s'][name]} s", file=sys.stderr, flush=True)
+    plot(results, out / "selfcheck.png")
+    return results
+

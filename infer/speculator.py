@@ -1,0 +1,98 @@
+"""An application's entry point: a verifier, its tokenizer and a drafter, loaded once.
+
+    from infer import Speculator
+
+    spec = Speculator.from_pretrained("default", draft="auto")
+    print(spec.generate("Explain KV caches.", max_new_tokens=128).text)
+    for piece in spec.stream("Write a haiku about GPUs."):
+        print(piece.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .drafters import Drafter
+from .engine import GenerationResult, GenerationStats, stream
+from .errors import UserError
+from .loading import load_drafter
+from .models import load_verifier
+from .params import SamplingParams
+from .text import encode_prompt, eos_ids
+from .tree import TreeSpec, load_tree_spec
+from .verifier import Verifier
+
+
+@dataclass
+class TextChunk:
+    """What one step added: its tokens, their text (complete characters only; a split multi-byte
+    character waits for the next chunk), and the running stats."""
+
+    token_ids: list[int]
+    text: str
+    stats: GenerationStats
+
+
+@dataclass
+class SpeculatorResult(GenerationResult):
+    """New token ids, their text (None without a tokenizer) and the generation's stats."""
+
+    text: str | None = None
+
+
+class Speculator:
+    """Speculative generation with a loaded verifier and drafter. Greedy output is the verifier's
+    own greedy output; sampled output follows its sampling distribution."""
+
+    def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = ""):
+        self.model, self.tokenizer, self.drafter, self.name = model, tokenizer, drafter, name
+        self._verifier = Verifier(model)
+
+    @classmethod
+    def from_pretrained(cls, verifier: str = "default", *, draft: str = "auto", dtype: str | torch.dtype = "auto",
+                        device: str = "cpu", tree: str | TreeSpec | None = None, tree_budget: str = "auto") -> Speculator:
+        """Load ``verifier`` (what ``--verifier`` accepts) and the drafter ``draft`` (what
+        ``--draft`` accepts: ``auto``, ``pld``, ``none``, a head checkpoint, ``a+b``)."""
+        spec = load_tree_spec(tree) if isinstance(tree, str) else tree
+        lv = load_verifier(verifier, dtype=dtype, device=device)
+        return cls(lv.model, lv.tokenizer, load_drafter(draft, lv.model, tree=spec, budget=tree_budget), name=verifier)
+
+    def _ids(self, prompt, chat: bool | None) -> torch.Tensor:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UserError("this verifier has no tokenizer: give token ids instead of text")
+            return encode_prompt(self.tokenizer, prompt, chat=chat)
+        return prompt
+
+    def stream(self, prompt: str | Sequence[int] | torch.Tensor, *, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
+               chat: bool | None = None) -> Iterator[TextChunk]:
+        """Generate from text (through the chat template when the tokenizer has one, unless
+        ``chat=False``) or token ids, yielding each step's tokens and text as they are accepted."""
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed)
+        ids = self._ids(prompt, chat)
+        eos = eos_ids(self.model, self.tokenizer) if self.tokenizer is not None else None
+        tokens: list[int] = []
+        printed = ""
+        for chunk in stream(self._verifier, self.drafter, ids, params=params, eos_token_id=eos, stop=stop,
+                            tokenizer=self.tokenizer):
+            tokens.extend(chunk.token_ids)
+            piece = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):
+                    piece, printed = text[len(printed):], text
+            yield TextChunk(chunk.token_ids, piece, chunk.stats)
+
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, **kwargs) -> SpeculatorResult:
+        """:meth:`stream` to the end: the new token ids, their text and the stats."""
+        tokens: list[int] = []
+        stats = GenerationStats()
+        for chunk in self.stream(prompt, **kwargs):
+            tokens.extend(chunk.token_ids)
+            stats = chunk.stats
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return SpeculatorResult(tokens, stats, text)
