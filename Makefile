@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= A bakery sells 24 muffins in the morning and twice as many in the afternoon. Each muffin costs 3 dollars. How much money does the bakery make in one day? Explain step by step.
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -34,3 +34,9 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# On a machine with a CUDA GPU (no network needed): checks the engine there and measures it
+# (identity on every family in fp32/bf16, a random Llama-3.1-8B-shaped verifier in bf16, the CLI
+# end to end) into results/gpu-check/selfcheck.{json,png}; under 6 minutes on one H200.
+gpu-check:
+	python -m infer.cli selfcheck --device cuda --out results/gpu-check

@@ -36,14 +36,17 @@ def check_output_file(path: str | Path, what: str = "output") -> Path:
 
 
 def check_output_dir(path: str | Path, what: str = "output directory") -> Path:
-    """``path`` can be used as an output directory (it is one, or its parent is writable; it is
-    not an existing file), or a one-line :class:`UserError`. Creates nothing."""
+    """``path`` can be used as an output directory (it is one, or it can be made: its nearest
+    existing ancestor is a writable directory; it is not an existing file), or a one-line
+    :class:`UserError`. Creates nothing."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{what} {path} is an existing file: give a directory")
-    if path.is_dir():
-        if not os.access(path, os.W_OK):
-            raise UserError(f"cannot write into {what} {path}: permission denied")
-        return path
-    _check_parent(path, what)
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise UserError(f"{what} {path}: {base} is not a directory")
+    if not os.access(base, os.W_OK):
+        raise UserError(f"cannot write {what} {path}: {base} is not writable")
     return path

@@ -48,3 +48,10 @@ def test_deepspeed_training_run(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_yaml_booleans_do_not_break_string_keys():
+    """``mixed_precision=no`` (YAML 1.1 reads an unquoted no as false) is the string 'no'."""
+    from train.config import load_config
+
+    assert load_config(None, ["data=x.jsonl", "mixed_precision=no"]).mixed_precision == "no"

@@ -154,6 +154,8 @@ def _coerce(key: str, value, typ):
         if str(value).lower() in ("false", "0", "no"):
             return False
         raise ConfigError(f"{key} must be true or false, not {value!r}")
+    if typ is str and isinstance(value, bool):  # YAML 1.1 reads an unquoted no / yes as a boolean
+        return "yes" if value else "no"
     if typ in (int, float, str):
         try:
             return typ(value)
@@ -184,7 +186,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
         k, v = item.split("=", 1)
-        raw[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+        try:
+            raw[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+        except yaml.YAMLError:
+            raw[k.strip()] = v
     hints = typing.get_type_hints(TrainConfig)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     for k in raw:
