@@ -44,11 +44,14 @@ class VerifierSpec:
             fingerprint=weights_fingerprint(model),
         )
 
-    def check(self, other: VerifierSpec) -> None:
-        """Raise :class:`HeadMismatchError` when ``other`` (the verifier in use) is not the one
-        this head was trained for."""
+    def check(self, other: VerifierSpec, model: torch.nn.Module | None = None) -> None:
+        """Raise :class:`HeadMismatchError` when ``other`` (the verifier in use, ``model``) is not
+        the one this head was trained for. Heads saved before fingerprints became dtype-proof
+        carry a float fingerprint, which is compared with ``model``'s when it is given."""
         for key in ("hidden_size", "vocab_size", "num_layers", "model_type", "fingerprint"):
             mine, theirs = getattr(self, key), getattr(other, key)
+            if key == "fingerprint" and not mine.startswith(FINGERPRINT_PREFIX) and model is not None:
+                theirs = legacy_fingerprint(model)
             if mine != theirs:
                 raise HeadMismatchError(
                     f"this draft head was trained for verifier {self.name!r} ({key} {mine}) but the verifier "
@@ -56,9 +59,26 @@ class VerifierSpec:
                 )
 
 
+FINGERPRINT_PREFIX = "s1-"
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of the verifier's input embedding and LM-head weights (a strided sample of
-    each, in float32), stable across devices and dtype round trips to float32."""
+    """A short hash of the verifier's input embedding and LM-head weights: the sign bits of a
+    strided sample of each. Signs survive any rounding between float32, bfloat16 and float16
+    (underflow keeps a signed zero), so a head trained on a float32 verifier loads for the same
+    verifier in bfloat16; different weights differ in thousands of signs."""
+    h = hashlib.sha256()
+    for w in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        flat = w.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        sample = torch.signbit(flat[::step][:4096]).cpu()
+        h.update(str(tuple(w.shape)).encode())
+        h.update(sample.numpy().tobytes())
+    return FINGERPRINT_PREFIX + h.hexdigest()[:16]
+
+
+def legacy_fingerprint(model: torch.nn.Module) -> str:
+    """The fingerprint of heads saved before ``s1-``: rounded float32 values (dtype-sensitive)."""
     h = hashlib.sha256()
     for w in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
         flat = w.detach().reshape(-1)

@@ -120,7 +120,7 @@ def pretrained_for(model: torch.nn.Module) -> list[str]:
     for name in pretrained_names():
         spec = spec or VerifierSpec.of(model)
         try:
-            read_config(PRETRAINED_DIR / name).verifier.check(spec)
+            read_config(PRETRAINED_DIR / name).verifier.check(spec, model)
         except (HeadMismatchError, CheckpointError):
             continue
         names.append(name)
@@ -195,7 +195,7 @@ def load_specheads(directory: Path, verifier: torch.nn.Module | None = None) -> 
     for another verifier (:class:`~heads.config.HeadMismatchError`)."""
     config = read_config(directory)
     if verifier is not None:
-        config.verifier.check(VerifierSpec.of(verifier))
+        config.verifier.check(VerifierSpec.of(verifier), verifier)
     weights = directory / WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS} (only safetensors checkpoints are loaded)")

@@ -28,6 +28,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     _add_placement(p)
+    p.add_argument("--draft-dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="what trained heads compute in: auto = the verifier's dtype, bf16 for a float32 verifier on a CPU with native bf16 (never changes the output)")
 
 
 def _add_placement(p: argparse.ArgumentParser) -> None:
@@ -157,7 +159,7 @@ def cmd_generate(args) -> int:
     lv = _load(args)
     if lv.tokenizer is None:
         raise UserError(f"verifier {args.verifier!r} has no tokenizer: generate needs text (random shapes without one: use bench or cost)")
-    drafter = load_drafter(args.draft, lv.model, tree=tree, budget=args.tree_budget)
+    drafter = load_drafter(args.draft, lv.model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     chunks = stream(lv.model, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
                     stop=args.stop, tokenizer=lv.tokenizer)
@@ -248,10 +250,10 @@ def cmd_bench(args) -> int:
     lv = _load(args)
     if lv.tokenizer is None:
         raise UserError(f"verifier {args.verifier!r} has no tokenizer: bench reads text prompts")
-    drafters = {label: load_drafter(d, lv.model, tree=tree, budget=args.tree_budget) for label, d in zip(labels, names)}
+    drafters = {label: load_drafter(d, lv.model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype) for label, d in zip(labels, names)}
     config = {"verifier": args.verifier, "draft": args.draft, "tree": args.tree, "tree_budget": args.tree_budget,
               "temperature": args.temperature, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-              "limit": args.limit, "chat": args.chat, "dtype": args.dtype, "device": args.device}
+              "limit": args.limit, "chat": args.chat, "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device}
     results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
                         temperature=args.temperature, seed=args.seed, partial=partial, fingerprint=config)
@@ -291,7 +293,7 @@ def cmd_chat(args) -> int:
     lv = _load(args)
     if lv.tokenizer is None:
         raise UserError(f"verifier {args.verifier!r} has no tokenizer: chat needs text")
-    drafter = load_drafter(args.draft, lv.model, tree=tree, budget=args.tree_budget)
+    drafter = load_drafter(args.draft, lv.model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen))

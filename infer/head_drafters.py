@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -176,12 +177,14 @@ class EagleDrafter(Drafter):
     ``cost`` (an :class:`~infer.cost.OnlineCost` or a fixed curve) sizes each tree; with
     ``adaptive``, the head's confidences are calibrated against what is accepted and drafting
     pauses while it does not pay (see :class:`Calibration`, :class:`Gate`). ``prune=False``
-    drafts every depth (for tests).
+    drafts every depth (for tests). ``dtype``: what the head computes in (default: the
+    verifier's; see :func:`draft_dtype`).
     """
 
     def __init__(self, head: DraftHead, verifier_model, tree: DynamicTreeSpec | None = None, cost=None, *,
-                 adaptive: bool = True, prune: bool = True):
-        self.device, self.dtype = _verifier_place(verifier_model)
+                 adaptive: bool = True, prune: bool = True, dtype: torch.dtype | None = None):
+        self.device, verifier_dtype = _verifier_place(verifier_model)
+        self.dtype = dtype or verifier_dtype  # the head computes in the verifier's dtype unless told
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
         self.cost = cost  # sizes the tree per step (None: always tree.num_nodes)
         self.adaptive, self.prune = adaptive, prune
@@ -234,23 +237,25 @@ class EagleDrafter(Drafter):
         self._feats.append(features)
         self._tokens.append(tokens)
 
-    def _catch_up(self) -> None:
-        """Feed the head every committed pair it has not seen, in one pass."""
+    def _catch_up(self, root: torch.Tensor) -> torch.Tensor:
+        """Feed the head every committed pair it has not seen and the root's pair (the last
+        committed feature, the root token) in one causal pass; the root's output ``[1, h]`` is
+        returned (its cache entry is the first of the tree's and is cut with it)."""
         crop_cache(self.cache, self.length)
         feats = torch.cat(self._feats) if len(self._feats) > 1 else self._feats[0]
-        tokens = torch.cat(self._tokens) if len(self._tokens) > 1 else self._tokens[0]
-        k = tokens.numel()
-        if k:
-            allowed = torch.ones(k, self.length + k, dtype=torch.bool, device=self.device).tril(diagonal=self.length)
-            positions = torch.arange(self.length, self.length + k, device=self.device)
-            self._run(self._fuse(feats[:k]), tokens, positions, additive_mask(allowed, self.dtype)[0])
-            self.length += k
-        self._feats, self._tokens = [feats[k:]], [tokens[:0]]
+        tokens = torch.cat(self._tokens + [root.view(1)])
+        k = tokens.numel()  # the committed pairs, then the root's
+        allowed = torch.ones(k, self.length + k, dtype=torch.bool, device=self.device).tril(diagonal=self.length)
+        positions = torch.arange(self.length, self.length + k, device=self.device)
+        out = self._run(self._fuse(feats), tokens, positions, additive_mask(allowed, self.dtype)[0])
+        self.length += k - 1
+        self._feats, self._tokens = [feats[k - 1 :]], []
+        return out[-1:]
 
     # ---- drafting ------------------------------------------------------------------------------
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.head.logits(hidden) if self.eagle3 else self.lm_head(hidden)
+        logits = self.head.logits(hidden) if self.eagle3 else self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return torch.log_softmax(logits.float(), dim=-1)
 
     @torch.inference_mode()
@@ -261,14 +266,14 @@ class EagleDrafter(Drafter):
         if max_depth <= 0 or (self.adaptive and not self.gate.should_draft()):
             return root_only(root, self.device)
         t0 = time.perf_counter()
-        self._catch_up()
-        pending = self._fuse(self._feats[0][-1:])  # [1, h]: the feature the root pairs with
+        root_t = torch.full((), root, dtype=torch.long, device=self.device)
+        root_out = self._catch_up(root_t)  # [1, h]: the head's output at the root (slot 0)
         depth = min(spec.depth, max_depth)
         key = (generator is not None, spec.depth)
         cal = self._calibration.setdefault(key, Calibration.new(spec.depth, self.device))
         width = spec.top_k
         slots = 1 + (depth - 1) * width  # head passes: the root, then <= top_k frontier nodes per depth
-        hidden = torch.empty(slots, pending.shape[-1], dtype=self.dtype, device=self.device)
+        hidden = torch.empty(slots, root_out.shape[-1], dtype=self.dtype, device=self.device)
         slot_anc = torch.zeros(slots, slots, dtype=torch.bool, device=self.device)
         cand_slot = torch.zeros(1 + depth * width * width, dtype=torch.long, device=self.device)
         mask = torch.zeros(width, self.length + slots, dtype=self.dtype, device=self.device)
@@ -278,25 +283,24 @@ class EagleDrafter(Drafter):
         def expand(ids, parents, toks):
             k, s, d = ids.numel(), state["slots"], state["depth"]
             new = torch.arange(s, s + k, device=self.device)
-            if d == 0:
-                feats = pending
+            if d == 0:  # the root: already run with the committed pairs
                 slot_anc[0, 0] = True
+                out = root_out
             else:
                 ps = cand_slot[parents]
-                feats = hidden[ps]
                 slot_anc[s : s + k] = slot_anc[ps]
                 slot_anc[new, new] = True
+                m = mask[:k, : self.length + s + k]  # committed prefix: 0 (visible); then the tree part
+                m[:, self.length :] = torch.where(slot_anc[s : s + k, : s + k], 0.0, low).to(self.dtype)
+                positions = torch.full((k,), self.length + d, dtype=torch.long, device=self.device)
+                out = self._run(hidden[ps], toks, positions, m)
             cand_slot[ids] = new
-            m = mask[:k, : self.length + s + k]  # committed prefix: 0 (visible); then the tree part
-            m[:, self.length :] = torch.where(slot_anc[s : s + k, : s + k], 0.0, low).to(self.dtype)
-            positions = torch.full((k,), self.length + d, dtype=torch.long, device=self.device)
-            out = self._run(feats, toks, positions, m)
             hidden[s : s + k] = out
             state["slots"], state["depth"] = s + k, d + 1
             return self._logprobs(out)
 
         log_scale = cal.log_scale() if self.adaptive else None
-        t = grow_dynamic_tree(expand, torch.full((), root, dtype=torch.long, device=self.device), spec,
+        t = grow_dynamic_tree(expand, root_t, spec,
                               max_depth=depth, vocab_map=self.vocab_map, cost=self.cost, prune=self.prune,
                               log_scale=log_scale, device=self.device)
         crop_cache(self.cache, self.length)
@@ -305,14 +309,58 @@ class EagleDrafter(Drafter):
         return Draft(t.tokens, t.tree)
 
 
-def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None) -> Drafter:
+def draft_dtype(verifier_model, choice: str | torch.dtype | None = "auto") -> torch.dtype:
+    """What a head computes in: ``auto`` is the verifier's dtype, except that a float32 verifier
+    on a CPU with native bfloat16 dot products (AVX512-BF16 or AMX, from /proc/cpuinfo; elsewhere
+    a ~10 ms probe decides) drafts in bfloat16, which halves the head's time there. Drafting
+    precision never changes the output (the verifier checks every token), only how often drafts
+    are accepted; ``fp32`` / ``bf16`` / ``fp16`` / a torch dtype force one."""
+    device, dtype = _verifier_place(verifier_model)
+    if isinstance(choice, torch.dtype):
+        return choice
+    if choice in ("fp32", "bf16", "fp16"):
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
+    if choice not in (None, "auto"):
+        raise UserError(f"draft dtype must be auto, fp32, bf16 or fp16, not {choice!r}")
+    if device.type != "cpu" or dtype != torch.float32:
+        return dtype
+    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return _bf16_is_faster()
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def _bf16_is_faster(rows: int = 8, width: int = 576, vocab: int = 8192, repeats: int = 5) -> bool:
+    """Time a head-sized projection in float32 and bfloat16 on this CPU (medians)."""
+    import statistics
+
+    x = torch.randn(rows, width)
+    w = torch.randn(vocab, width)
+    times = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, b = x.to(dt), w.to(dt)
+        torch.nn.functional.linear(a, b)
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            runs.append(time.perf_counter() - t0)
+        times[dt] = statistics.median(runs)
+    return times[torch.bfloat16] * 1.3 < times[torch.float32]
+
+
+def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None, *, dtype: str | torch.dtype | None = "auto") -> Drafter:
     """A drafter for a saved head; refuses a head trained for another verifier.
 
     A Medusa-2 checkpoint carries LoRA adapters for the verifier (``adapter/``): they are merged
     into ``verifier_model`` **in place**, and that adapted model is the verifier from then on
-    (greedy output is identical to *its* greedy output)."""
-    from pathlib import Path
-
+    (greedy output is identical to *its* greedy output). ``dtype``: what an EAGLE head computes
+    in (:func:`draft_dtype`)."""
     from heads import CheckpointError, HeadMismatchError
     from heads.io import resolve
 
@@ -327,6 +375,6 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None) -
         PeftModel.from_pretrained(verifier_model, str(adapter)).merge_and_unload()
     if isinstance(head, MedusaHeads):
         return MedusaDrafter(head, verifier_model, tree)
-    return EagleDrafter(head, verifier_model, tree, cost)
+    return EagleDrafter(head, verifier_model, tree, cost, dtype=draft_dtype(verifier_model, dtype))
 
 

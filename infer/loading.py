@@ -63,12 +63,13 @@ def probe_cost(model) -> OnlineCost | None:
     return OnlineCost(prior)
 
 
-def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str = "auto") -> Drafter:
+def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str = "auto", draft_dtype="auto") -> Drafter:
     """The drafter a ``--draft`` spec names, for verifier ``model`` (see the module docstring).
 
     ``tree`` shapes the first drafter; under ``auto``, the first one that grows that kind of tree
     (prompt lookup grows any). ``budget``: ``auto`` sizes drafts by the measured cost curve,
-    ``fixed`` uses the tree's node count. A head trained for another verifier is refused."""
+    ``fixed`` uses the tree's node count. ``draft_dtype``: what EAGLE heads compute in
+    (:func:`~infer.head_drafters.draft_dtype`). A head trained for another verifier is refused."""
     if budget not in ("auto", "fixed"):
         raise UserError(f"budget must be 'auto' or 'fixed', not {budget!r}")
     parts = draft_parts(spec, model)
@@ -81,7 +82,7 @@ def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str 
             return PromptLookupDrafter(tree=tree_) if cost is None else PromptLookupDrafter(tree=tree_, cost=cost)
         from .head_drafters import load_head_drafter
 
-        return load_head_drafter(part, model, tree_, cost)
+        return load_head_drafter(part, model, tree_, cost, dtype=draft_dtype)
 
     target = 0  # the drafter that `tree` shapes (the drafters carry their trees; none is passed per call)
     if spec.strip() == "auto" and tree is not None:  # a head that grows this kind of tree, else prompt lookup (last)

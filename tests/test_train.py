@@ -307,3 +307,20 @@ def test_specheads_train_wraps_accelerate_launch(tmp_path, distilled):
     bad = subprocess.run([str(exe), "train", "--config", str(RECIPE), "nonsense_key=1"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert bad.returncode != 0 and "unknown config key 'nonsense_key'" in bad.stderr
+
+
+def test_init_from_starts_where_a_checkpoint_ended(tmp_path, distilled):
+    """A warm start: init_from= a trained head gives a head with its weights and draft vocabulary;
+    a head of another type is refused in one line."""
+    from train.train_heads import build_draft_head
+
+    run(tmp_path, distilled, name="first", max_steps=4)
+    first = head_state(tmp_path / "first")
+    cfg = load_config(RECIPE, [f"data={distilled}", "prompts=", f"init_from={tmp_path / 'first'}"])
+    model = load_verifier("tiny-random:llama").model
+    head = build_draft_head(cfg, model, [])
+    assert all(torch.equal(head.state_dict()[k].float(), v.float()) for k, v in first.items())
+    res = run(tmp_path, distilled, name="second", max_steps=2, init_from=str(tmp_path / "first"))
+    assert res["history"][0]["loss"] < json.loads((tmp_path / "first" / "train_history.json").read_text())[0]["loss"]
+    with pytest.raises(ConfigError, match="is a eagle3 head, not medusa"):
+        build_draft_head(load_config(RECIPE, [f"data={distilled}", "prompts=", "head_type=medusa", f"init_from={tmp_path / 'first'}"]), model, [])

@@ -54,6 +54,7 @@ class TrainConfig:
     cache_features: bool = False  # cache verifier hidden states to disk (safetensors shards)
     cache_dir: str = ""  # default: <output_dir>/features
     interrupt_after: int = 0  # stop (as if killed) after this many optimizer steps; for tests
+    init_from: str = ""  # start from this head checkpoint (same head type and verifier; its draft vocabulary is kept)
     # head hyperparameters
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1
@@ -119,6 +120,11 @@ class TrainConfig:
         elif not Path(self.data).is_file():
             raise ConfigError(f"data file {self.data} does not exist: give a distilled JSONL, or prompts= to distil one")
         _check_creatable(Path(self.output_dir), "output_dir")
+        if self.init_from:
+            from heads.io import pretrained_names
+
+            if self.init_from not in pretrained_names() and not (Path(self.init_from) / "config.json").is_file():
+                raise ConfigError(f"init_from {self.init_from} is not a head checkpoint directory (no config.json) nor a shipped head")
         if self.cache_dir:
             _check_creatable(Path(self.cache_dir), "cache_dir")
 

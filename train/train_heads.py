@@ -69,6 +69,16 @@ class Joint(nn.Module):
 def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
     spec = VerifierSpec.of(model, cfg.verifier)
     kind = "medusa" if cfg.head_type == "medusa2" else cfg.head_type
+    if cfg.init_from:  # a warm start: the checkpoint's architecture and draft vocabulary
+        from heads import CheckpointError, HeadMismatchError, load_head
+
+        try:
+            head = load_head(cfg.init_from, verifier=model, dtype=torch.float32, device="cpu")
+        except (CheckpointError, HeadMismatchError) as e:
+            raise ConfigError(f"init_from {cfg.init_from}: {e}") from None
+        if head.config.head_type != kind:
+            raise ConfigError(f"init_from {cfg.init_from} is a {head.config.head_type} head, not {kind}")
+        return head
     kwargs = {}
     if kind == "medusa":
         kwargs = dict(num_heads=cfg.medusa_num_heads, num_layers=cfg.medusa_num_layers, own_lm_head=cfg.medusa_own_lm_head)
