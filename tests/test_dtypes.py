@@ -5,13 +5,13 @@ import json
 
 import pytest
 import torch
+from test_heads import make_head
 
 from conftest import hf_greedy
 from infer import generate
 from infer.cli import main
 from infer.head_drafters import EagleDrafter, draft_dtype, load_head_drafter
 from infer.models import load_verifier, random_config, resolve_dtype, tiny_random_model
-from test_heads import make_head
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "eagle1", "eagle3"])

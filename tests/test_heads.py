@@ -192,8 +192,8 @@ def test_hub_roundtrip_without_network(tmp_path, llama, monkeypatch):
 
 def test_auto_draft_picks_the_shipped_heads_of_this_verifier(tmp_path, monkeypatch, llama):
     import heads.io
-    from infer.loading import load_drafter
     from infer.drafters import PromptLookupDrafter, UnionDrafter
+    from infer.loading import load_drafter
 
     other = tiny_random_model("qwen2")
     make_head(llama, "eagle3").save_pretrained(tmp_path / "for-llama")
