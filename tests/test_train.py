@@ -324,3 +324,13 @@ def test_init_from_starts_where_a_checkpoint_ended(tmp_path, distilled):
     assert res["history"][0]["loss"] < json.loads((tmp_path / "first" / "train_history.json").read_text())[0]["loss"]
     with pytest.raises(ConfigError, match="is a eagle3 head, not medusa"):
         build_draft_head(load_config(RECIPE, [f"data={distilled}", "prompts=", "head_type=medusa", f"init_from={tmp_path / 'first'}"]), model, [])
+
+
+def test_eval_only_measures_a_head_on_the_held_out_split(tmp_path, distilled):
+    run(tmp_path, distilled, name="first", max_steps=4, eval_every=4)
+    trained = json.loads((tmp_path / "first" / "train_history.json").read_text())[-1]
+    res = run(tmp_path, distilled, name="eval", init_from=str(tmp_path / "first"), eval_only=True)
+    assert res["history"] == [] and abs(res["eval"]["eval_acc_1"] - trained["eval_acc_1"]) < 1e-6
+    assert not (tmp_path / "eval" / "model.safetensors").exists()
+    with pytest.raises(ConfigError, match="eval_only needs init_from"):
+        load_config(RECIPE, [f"data={distilled}", "prompts=", "eval_only=true"])

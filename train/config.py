@@ -55,6 +55,7 @@ class TrainConfig:
     cache_dir: str = ""  # default: <output_dir>/features
     interrupt_after: int = 0  # stop (as if killed) after this many optimizer steps; for tests
     init_from: str = ""  # start from this head checkpoint (same head type and verifier; its draft vocabulary is kept)
+    eval_only: bool = False  # with init_from: only measure that head's held-out acceptance on this data
     # head hyperparameters
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1
@@ -99,6 +100,8 @@ class TrainConfig:
             raise ConfigError("mixed_precision must be no, bf16 or fp16")
         if self.log_with not in ("", "tensorboard", "wandb"):
             raise ConfigError(f"log_with must be '' (none), tensorboard or wandb, not {self.log_with!r}")
+        if self.eval_only and not self.init_from:
+            raise ConfigError("eval_only needs init_from= (the head to measure)")
         if not self.data and not self.prompts:
             raise ConfigError("give data= (a distilled JSONL) or prompts= (to distil first)")
 

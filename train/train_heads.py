@@ -280,6 +280,12 @@ def train(cfg: TrainConfig) -> dict:
         res["eval_tau"] = estimated_tau({k[5:]: v for k, v in res.items() if k.startswith("eval_acc_")})
         return res
 
+    if cfg.eval_only:  # measure a head (init_from) on this data's held-out split, train nothing
+        result = evaluate()
+        accelerator.print(json.dumps({"eval_only": True, "head": cfg.init_from, "eval_records": len(eval_idx),
+                                      **{k: round(v, 4) for k, v in result.items()}}))
+        accelerator.end_training()
+        return {"step": step, "interrupted": False, "history": [], "eval": result, "head": head, "verifier": verifier}
     head.train()
     last_eval: dict = {}
     while step < cfg.max_steps:
