@@ -305,7 +305,10 @@ def cmd_export(args) -> int:
     from heads import CheckpointError, load_head
     from heads.interop import export_eagle3, export_medusa
 
+    from .files import check_output_dir
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    check_output_dir(args.out, "--out")  # before loading anything: an existing file or an unwritable place
     try:
         head = load_head(args.draft)
         if args.format == "specheads":

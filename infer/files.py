@@ -16,8 +16,13 @@ def _check_parent(path: Path, what: str) -> None:
         raise UserError(f"{what} {path}: the directory {parent} does not exist")
     if not parent.is_dir():
         raise UserError(f"{what} {path}: {parent} is not a directory")
+    _probe(parent, path, what)
+
+
+def _probe(directory: Path, path: Path, what: str) -> None:
+    """Create and remove a temporary file in ``directory`` (permission bits do not tell root)."""
     try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".specheads-check-"):
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".specheads-check-"):
             pass
     except OSError as e:
         raise UserError(f"cannot write {what} {path}: {e.strerror or e}") from None
@@ -47,6 +52,5 @@ def check_output_dir(path: str | Path, what: str = "output directory") -> Path:
         base = base.parent
     if not base.is_dir():
         raise UserError(f"{what} {path}: {base} is not a directory")
-    if not os.access(base, os.W_OK):
-        raise UserError(f"cannot write {what} {path}: {base} is not writable")
+    _probe(base, path, what)
     return path

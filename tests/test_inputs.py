@@ -164,3 +164,16 @@ def test_sampling_params_are_one_type_checked_once(kwargs, message):
     with pytest.raises(UserError, match=message):
         SamplingParams(**kwargs)
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("where, message", [("file", "is an existing file"), ("/proc/specheads-export", "cannot write")])
+def test_export_out_is_checked_before_loading(tmp_path, capsys, monkeypatch, where, message):
+    def refuse(*a, **k):
+        raise AssertionError("the head was loaded before --out was checked")
+
+    monkeypatch.setattr("heads.load_head", refuse)
+    out = tmp_path / "exists.txt" if where == "file" else where
+    if where == "file":
+        out.write_text("x")
+    code, _, err = run(["export", "--draft", str(tmp_path), "--format", "eagle3", "--out", str(out)], capsys)
+    one_line_error(code, err, message)
