@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PROMPT ?= A bakery sells 24 muffins in the morning and twice as many in the afternoon. Each muffin costs 3 dollars. How much money does the bakery make in one day? Explain step by step.
+PROMPT ?= What are some good ways to save money on groceries each month?
 
 .PHONY: setup demo test lint bench clean gpu-check
 
@@ -27,10 +27,13 @@ test: setup
 lint: setup
 	$(BIN)/ruff check heads infer train tests
 
-# the Spec-Bench table of BENCHMARKS.md at 10 prompts per category (about 70 minutes on 2 cores)
+# the Spec-Bench table of BENCHMARKS.md: 10 prompts per category, 256 new tokens (about an hour on 2 cores),
+# then the hand-written unseen prompts (chat, code completion, long-form writing; about 25 minutes)
 bench: setup
-	$(BIN)/specheads bench --verifier default --draft default,default+pld --prompts ../shared/data/spec_bench.jsonl \
+	$(BIN)/specheads bench --verifier default --draft auto,default --prompts ../shared/data/spec_bench.jsonl \
 		--limit 10 --max-new-tokens 256 --verify-cost --out results/bench-main.json --plot results/bench-main.png
+	$(BIN)/specheads bench --verifier default --draft auto,default --prompts configs/prompts/unseen.jsonl \
+		--max-new-tokens 256 --verify-cost --out results/bench-unseen.json --plot results/bench-unseen.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
