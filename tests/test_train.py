@@ -95,12 +95,24 @@ def test_training_changes_only_the_head(tmp_path, distilled, head_type):
 SGD = {"optimizer": "sgd", "lr": 0.5}
 
 
-def test_grad_accumulation_matches_bigger_batch(tmp_path, distilled):
-    run(tmp_path, distilled, "accum", batch_size=1, grad_accum=4, max_steps=3, **SGD)
-    run(tmp_path, distilled, "big", batch_size=4, grad_accum=1, max_steps=3, **SGD)
+@pytest.mark.parametrize("window", [0, 16])
+def test_grad_accumulation_matches_bigger_batch(tmp_path, distilled, window):
+    """Also with length-sorted windows (batches of similar lengths): the windows do not depend
+    on the batch size, so both runs see the same records in the same order."""
+    run(tmp_path, distilled, "accum", batch_size=1, grad_accum=4, max_steps=3, length_window=window, **SGD)
+    run(tmp_path, distilled, "big", batch_size=4, grad_accum=1, max_steps=3, length_window=window, **SGD)
     a, b = head_state(tmp_path / "accum"), head_state(tmp_path / "big")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
+
+
+def test_length_windows_sort_within_windows_only():
+    from train.data import Record
+    from train.train_heads import length_sorted_windows
+
+    records = [Record([0] * n, [1] * n) for n in (5, 1, 4, 2, 9, 3)]
+    assert length_sorted_windows([0, 1, 2, 3, 4, 5], records, 3) == [1, 2, 0, 3, 5, 4]
+    assert length_sorted_windows([0, 1, 2, 3, 4, 5], records, 0) == [0, 1, 2, 3, 4, 5]
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ class TrainConfig:
     save_every: int = 200
     eval_every: int = 200
     eval_batches: int = 8
+    length_window: int = 0  # sort each run of this many shuffled records by length (less padding); 0 = off
     resume: bool = False
     log_with: str = ""  # "" | tensorboard | wandb
     cache_features: bool = False  # cache verifier hidden states to disk (safetensors shards)
@@ -82,7 +83,7 @@ class TrainConfig:
                     "distill_max_new_tokens", "distill_batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, not {getattr(self, key)}")
-        for key in ("warmup_steps", "max_prompts", "interrupt_after", "weight_decay", "max_grad_norm",
+        for key in ("warmup_steps", "max_prompts", "interrupt_after", "length_window", "weight_decay", "max_grad_norm",
                     "distill_temperature", "eagle1_ce_weight", "medusa2_kl_weight"):
             if not getattr(self, key) >= 0:  # `not >=` also refuses NaN
                 raise ConfigError(f"{key} must be >= 0, not {getattr(self, key)}")

@@ -122,6 +122,18 @@ def batch_indices(order_for_epoch, n_train: int, micro: int, global_batch: int, 
     return glob[rank * per_rank : (rank + 1) * per_rank]
 
 
+def length_sorted_windows(order: list[int], records, window: int) -> list[int]:
+    """``order`` with each run of ``window`` consecutive records sorted by length (0: unchanged),
+    so that a batch holds records of similar length and little padding is computed. The windows
+    do not depend on the batch size, so accumulation and process count still see the same records."""
+    if window <= 1:
+        return list(order)
+    out = []
+    for start in range(0, len(order), window):
+        out += sorted(order[start : start + window], key=lambda i: len(records[i].input_ids))
+    return out
+
+
 def peak_memory_mb() -> int:
     """This process's peak resident memory (MB; Linux and macOS report it in different units)."""
     import resource
@@ -252,7 +264,7 @@ def train(cfg: TrainConfig) -> dict:
     def order_for_epoch(epoch: int) -> list[int]:
         if epoch not in orders:
             perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-            orders[epoch] = [train_idx[i] for i in perm.tolist()]
+            orders[epoch] = length_sorted_windows([train_idx[i] for i in perm.tolist()], records, cfg.length_window)
         return orders[epoch]
 
     def features_for(batch):
@@ -262,6 +274,8 @@ def train(cfg: TrainConfig) -> dict:
             return cache.get(model, batch, aux_layers)
         return compute_features(model, batch, aux_layers)
 
+    eval_order = length_sorted_windows(eval_idx[: cfg.eval_batches * per_rank], records, cfg.length_window)
+
     def evaluate() -> dict:
         if not eval_idx:
             return {}
@@ -269,8 +283,8 @@ def train(cfg: TrainConfig) -> dict:
         sums: dict[str, float] = {}
         n = 0
         with torch.no_grad():
-            for k in range(0, min(len(eval_idx), cfg.eval_batches * per_rank), per_rank):
-                batch = collate(records, eval_idx[k : k + per_rank]).to(accelerator.device)
+            for k in range(0, len(eval_order), per_rank):
+                batch = collate(records, eval_order[k : k + per_rank]).to(accelerator.device)
                 loss, metrics = unwrapped(features_for(batch), batch)
                 for key, v in {"loss": loss, **metrics}.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
