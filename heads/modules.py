@@ -17,9 +17,6 @@ import torch
 from torch import nn
 
 from .config import HeadConfig
-from .masks import additive_mask
-
-_float_mask = additive_mask  # the old private name, kept until infer/ uses heads.masks.additive_mask
 
 
 class DraftHead(nn.Module):

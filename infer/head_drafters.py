@@ -22,8 +22,8 @@ import torch
 from transformers import DynamicCache
 
 from heads import Eagle3Head, MedusaHeads, load_head
+from heads.masks import additive_mask
 from heads.modules import DraftHead
-from heads.modules import _float_mask as additive_mask
 
 from .drafters import Draft, Drafter, root_only
 from .errors import UserError
