@@ -324,13 +324,14 @@ def train(cfg: TrainConfig) -> dict:
         scheduler.step()
         step += 1
         logs.update(lr=scheduler.get_last_lr()[0], step_s=time.time() - t0)
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+        evaluated = step % cfg.eval_every == 0 or step == cfg.max_steps
+        if evaluated:
             last_eval = evaluate()
             logs.update(last_eval)
         history.append({"step": step, **logs})
         if cfg.log_with:
             accelerator.log(logs, step=step)
-        if accelerator.is_main_process and (step % 10 == 0 or step == 1 or step == cfg.max_steps):
+        if accelerator.is_main_process and (step % 10 == 0 or step == 1 or evaluated):
             accelerator.print(json.dumps({"step": step, **{k: round(v, 4) for k, v in logs.items()}}))
         if step % cfg.save_every == 0 and step < cfg.max_steps:
             save_checkpoint(accelerator, ckpt_dir, step, history)
