@@ -27,7 +27,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check heads infer train tests
 
-# the Spec-Bench table of BENCHMARKS.md: 10 prompts per category, 256 new tokens (about an hour on 2 cores),
+# the Spec-Bench table of BENCHMARKS.md: 10 prompts per category, 256 new tokens (30-60 min on 2 cores),
 # then the hand-written unseen prompts (chat, code completion, long-form writing; about 25 minutes)
 bench: setup
 	$(BIN)/specheads bench --verifier default --draft auto,default --prompts ../shared/data/spec_bench.jsonl \
