@@ -137,13 +137,14 @@ class Gate:
     """Whether drafting pays, per generation: an exponential moving average of each drafted
     step's gain (tokens it emitted over its cost in single-token verify passes, drafting
     included; 1.0 = as fast as not drafting). Below 1, drafting pauses for ``backoff`` steps and
-    then probes once; every failed probe doubles the pause (up to ``max_backoff``), a probe that
-    pays resumes drafting. The average lives on the device; it is read once per drafted step."""
+    then probes once; every failed probe doubles the pause (up to ``max_backoff``: a head that
+    never pays, e.g. when sampling from a broad distribution, costs one probe per 65 steps), a
+    probe that pays resumes drafting. The average lives on the device; it is read once per drafted step."""
 
     ema: torch.Tensor
     backoff: int = 1
     skip: int = 0
-    max_backoff: int = 16
+    max_backoff: int = 64
     alpha: float = 0.3
 
     @classmethod

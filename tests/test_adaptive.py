@@ -61,6 +61,13 @@ def test_gate_pauses_then_probes_with_growing_pauses():
         else:
             drafted.append(False)
     assert drafted[0] and sum(drafted) <= 10
+    for _ in range(1000):  # a head that never pays settles at <= 2% of steps drafted (1 in 65)
+        if gate.should_draft():
+            drafted.append(True)
+            gate.record(torch.tensor(0.5))
+        else:
+            drafted.append(False)
+    assert sum(drafted[-520:]) <= 0.02 * 520
     gate.record(torch.tensor(3.0))  # a probe that pays resumes drafting at once
     assert gate.should_draft() and gate.backoff == 1
 
