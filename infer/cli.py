@@ -131,22 +131,26 @@ def _check_prompt_text(text: str) -> None:
         raise UserError("the prompt is not valid UTF-8 (it holds undecodable bytes): pass it as UTF-8 text") from None
 
 
-def _load(args):
-    """The verifier (after the device was checked: a bad --device fails before any loading)."""
+def _load(args, text_for: str | None = None):
+    """The verifier, after checking the device (a bad --device fails before any loading); with
+    ``text_for`` (what needs text), a verifier without a tokenizer is a user error."""
     from . import models
 
-    return models.load_verifier(args.verifier, dtype=args.dtype, device=args.device)
+    models.resolve_device(args.device)
+    lv = models.load_verifier(args.verifier, dtype=args.dtype, device=args.device)
+    if text_for and lv.tokenizer is None:
+        raise UserError(f"verifier {args.verifier!r} has no tokenizer: {text_for}")
+    return lv
 
 
-def _check_device(args) -> None:
-    from .models import resolve_device
+def _drafter(args, draft: str, model, tree):
+    from .loading import load_drafter
 
-    resolve_device(args.device)
+    return load_drafter(draft, model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype)
 
 
 def cmd_generate(args) -> int:
     from .engine import stream
-    from .loading import load_drafter
     from .text import encode_prompt, eos_ids
 
     params = _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -155,11 +159,8 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise UserError("the prompt is empty: give some text")
     tree = _tree(args)
-    _check_device(args)
-    lv = _load(args)
-    if lv.tokenizer is None:
-        raise UserError(f"verifier {args.verifier!r} has no tokenizer: generate needs text (random shapes without one: use bench or cost)")
-    drafter = load_drafter(args.draft, lv.model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype)
+    lv = _load(args, "generate needs text (random shapes without one: use bench or cost)")
+    drafter = _drafter(args, args.draft, lv.model, tree)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     chunks = stream(lv.model, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
                     stop=args.stop, tokenizer=lv.tokenizer)
@@ -226,7 +227,6 @@ def cmd_bench(args) -> int:
     from .bench import add_efficiency, environment, plot_results, run_bench
     from .cost import measure_verify_cost
     from .files import check_output_file
-    from .loading import load_drafter
     from .prompts import MT_BENCH_GROUP, read_prompts
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -246,11 +246,8 @@ def cmd_bench(args) -> int:
     labels = [Path(d).name or d for d in names]
     if len(set(labels)) != len(labels):
         raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component)")
-    _check_device(args)
-    lv = _load(args)
-    if lv.tokenizer is None:
-        raise UserError(f"verifier {args.verifier!r} has no tokenizer: bench reads text prompts")
-    drafters = {label: load_drafter(d, lv.model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype) for label, d in zip(labels, names)}
+    lv = _load(args, "bench reads text prompts")
+    drafters = {label: _drafter(args, d, lv.model, tree) for label, d in zip(labels, names)}
     config = {"verifier": args.verifier, "draft": args.draft, "tree": args.tree, "tree_budget": args.tree_budget,
               "temperature": args.temperature, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
               "limit": args.limit, "chat": args.chat, "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device}
@@ -285,15 +282,11 @@ def format_table(results: dict) -> str:
 
 def cmd_chat(args) -> int:
     from .chat import ChatSession, run_chat
-    from .loading import load_drafter
 
     _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     tree = _tree(args)
-    _check_device(args)
-    lv = _load(args)
-    if lv.tokenizer is None:
-        raise UserError(f"verifier {args.verifier!r} has no tokenizer: chat needs text")
-    drafter = load_drafter(args.draft, lv.model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype)
+    lv = _load(args, "chat needs text")
+    drafter = _drafter(args, args.draft, lv.model, tree)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen))
@@ -350,7 +343,6 @@ def cmd_cost(args) -> int:
         raise UserError(f"--nodes must be comma-separated integers, not {args.nodes!r}") from None
     if not nodes or min(nodes) < 1 or args.prefix_len < 1 or args.repeats < 1:
         raise UserError("--nodes, --prefix-len and --repeats must be positive")
-    _check_device(args)
     lv = _load(args)
     cost = measure_verify_cost(lv.model, nodes, prefix_len=args.prefix_len, repeats=args.repeats)
     if args.json:
