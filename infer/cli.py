@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from .errors import UserError
@@ -21,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny-random:<arch>', 'random:<preset>' (a real shape with random weights: llama-3.1-8b, qwen3-8b, llama-3.2-1b, mistral-7b, smollm2-135m) or 'random:<dir with config.json>', a model directory or a Hub id")
-    p.add_argument("--draft", default="auto", help="'auto' (the default: the heads shipped for this verifier, if any, together with prompt lookup; else prompt lookup), 'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), a draft-head checkpoint directory / Hub id, or several joined by '+' (e.g. default+pld: verify the union of their drafts)")
+    p.add_argument("--draft", default="auto", help="'auto' (the default: the heads shipped for this verifier, if any, together with prompt lookup; else prompt lookup), 'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), a draft-head checkpoint directory / Hub id, or several joined by '+' (e.g. default+pld: verify the union of their drafts); bench takes a comma-separated list, each optionally with its own tree after '@' (e.g. default+pld,default+pld@dynamic:7,4,16)")
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
     p.add_argument("--tree-budget", choices=("auto", "fixed"), default="auto",
                    help="auto: measure the verify-cost curve at load; trained heads size each dynamic tree for the most tokens per second and prompt lookup sizes its drafts by it. fixed: heads always use the tree's num_nodes, prompt lookup the built-in curve")
@@ -110,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parts", default="identity,speed,cli")
     s.add_argument("--prompts", default=None, help="prompt file for the command-line part (default: the bundled unseen prompts)")
     return parser
+
+
+def bench_drafts(text: str) -> list[tuple[str, str | None]]:
+    """``--draft`` of bench: comma-separated draft specs, each optionally ``spec@tree`` (a tree
+    for that draft alone, e.g. ``default+pld@dynamic:7,4,16``) -> ``[(spec, tree or None)]``."""
+    entries = re.findall(r"([^,@]+)(?:@(dynamic:[^,]*,[^,]*,[^,@]*|[^,@]*))?", text)
+    out = [(d.strip(), t.strip() or None) for d, t in entries if d.strip()]
+    if not out:
+        raise UserError("--draft is empty: use auto, pld, none, a shipped head name or a head checkpoint")
+    return out
 
 
 def _tree(args):
@@ -228,6 +239,7 @@ def cmd_bench(args) -> int:
     from .cost import measure_verify_cost
     from .files import check_output_file
     from .prompts import MT_BENCH_GROUP, read_prompts
+    from .tree import load_tree_spec
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if not methods:
@@ -242,12 +254,13 @@ def cmd_bench(args) -> int:
         check_output_file(args.plot, "--plot")
     prompts = read_prompts(args.prompts, args.limit, MT_BENCH_GROUP if args.group_mt_bench else None)
     tree = _tree(args)
-    names = [d.strip() for d in args.draft.split(",") if d.strip()]
-    labels = [Path(d).name or d for d in names]
+    entries = bench_drafts(args.draft)
+    labels = [(Path(d).name or d) + (f"@{t}" if t else "") for d, t in entries]
     if len(set(labels)) != len(labels):
-        raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component)")
+        raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component and the tree)")
+    trees = [load_tree_spec(t) if t else tree for _, t in entries]  # bad trees fail before loading
     lv = _load(args, "bench reads text prompts")
-    drafters = {label: _drafter(args, d, lv.model, tree) for label, d in zip(labels, names)}
+    drafters = {label: _drafter(args, d, lv.model, t) for label, (d, _), t in zip(labels, entries, trees)}
     config = {"verifier": args.verifier, "draft": args.draft, "tree": args.tree, "tree_budget": args.tree_budget,
               "temperature": args.temperature, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
               "limit": args.limit, "chat": args.chat, "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device}

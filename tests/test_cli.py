@@ -172,17 +172,33 @@ def test_bench_compares_several_drafts_and_reports_efficiency(tmp_path, capsys):
     f.write_text("\n".join(json.dumps({"prompt": p, "category": c}) for p, c in
                            [("count: 1 2 3 1 2 3 1 2", "a"), ("say hi hi hi hi", "b")]) + "\n")
     out = tmp_path / "r.json"
-    code, stdout, _ = run(["bench", *TINY, "--prompts", str(f), "--max-new-tokens", "12", "--draft", "pld,none",
+    code, stdout, _ = run(["bench", *TINY, "--prompts", str(f), "--max-new-tokens", "12", "--draft", "pld,none,pld@chain:2",
                            "--methods", "vanilla,spec", "--verify-cost", "--tree-budget", "fixed", "--out", str(out)], capsys)
     assert code == 0
     res = json.loads(out.read_text())
-    assert set(res["methods"]) == {"vanilla", "spec:pld", "spec:none"}
+    assert set(res["methods"]) == {"vanilla", "spec:pld", "spec:none", "spec:pld@chain:2"}
+    def most_nodes(m):
+        return max(len(r[m]["nodes_hist"]) - 1 for r in res["per_prompt"])
+
+    # its own tree: at most 2 drafted tokens per pass, where the default prompt-lookup tree drafts more
+    assert res["methods"]["spec:pld@chain:2"]["overall"]["identical"] == 2
+    assert most_nodes("spec:pld@chain:2") == 3 < most_nodes("spec:pld")
     plain = res["methods"]["spec:none"]["overall"]
     assert plain["identical"] == 2 and plain["tau"] == pytest.approx(1.0, abs=0.1) and plain["mean_tree_nodes"] == 1.0
     assert plain["ideal_speedup"] == pytest.approx(1.0)  # one node per pass: nothing to gain
     pld = res["methods"]["spec:pld"]["overall"]
     assert pld["identical"] == 2 and pld["mean_tree_nodes"] > 1 and pld["efficiency"] == pytest.approx(pld["speedup"] / pld["ideal_speedup"])
     assert "spec:pld" in stdout and "effic." in stdout
+
+
+def test_bench_drafts_take_a_tree_each():
+    from infer.cli import bench_drafts
+    from infer.errors import UserError
+
+    assert bench_drafts("runs/a+pld, runs/a+pld@dynamic:7,4,16,pld@chain:4,default") == [
+        ("runs/a+pld", None), ("runs/a+pld", "dynamic:7,4,16"), ("pld", "chain:4"), ("default", None)]
+    with pytest.raises(UserError):
+        bench_drafts(" , ")
 
 
 def test_bench_samples_at_temperature_one(tmp_path, capsys):
