@@ -7,7 +7,8 @@ category: tokens/s, tau, speedup over vanilla and, for speculative methods, how 
 identical to vanilla. With several drafters, ``spec`` expands to one method per drafter
 (``spec:<label>``). With a measured verify-cost curve, speculative methods also get their ideal
 speedup (tau x T(1 token) / T(tree used), averaged over the verify steps) and the achieved share
-of it (``efficiency``).
+of it (``efficiency``). Each speculative row also records what its drafter had learnt by the end
+of that generation (``drafter``: e.g. the cost curve, the steps the gate paused, the calibration).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def run_bench(
         "hf-pld": lambda ids: (hf_generate(model, ids, max_new_tokens, eos, prompt_lookup_num_tokens=pld_tokens), None),
     }
     expanded = []
+    drafter_of = {}  # spec method -> its drafter, whose learnt state each row records
     for m in methods:
         if m != "spec":
             expanded.append(m)
@@ -109,6 +111,7 @@ def run_bench(
         for label, d in drafters.items():
             name = f"spec:{label}" if len(drafters) > 1 else "spec"
             runners[name] = lambda ids, d=d: _spec(verifier, d, ids, max_new_tokens, eos, tree, temperature, seed)
+            drafter_of[name] = d
             expanded.append(name)
     methods = tuple(expanded)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
@@ -134,7 +137,8 @@ def run_bench(
                 row[m] = {"tokens": tokens, "seconds": seconds, "passes": counter.calls - calls}
                 if stats is not None:
                     row[m].update(accepted_hist=stats.accepted_hist, nodes_hist=stats.nodes_hist,
-                                  draft_s=stats.draft_s, verify_s=stats.verify_s, steps=stats.verify_steps)
+                                  draft_s=stats.draft_s, verify_s=stats.verify_s, steps=stats.verify_steps,
+                                  drafter=drafter_of[m].state())
             rows.append(row)
             if log:
                 log.append(row)

@@ -139,6 +139,18 @@ class OnlineCost:
         return self._curve.table(n_max, device)
 
 
+def cost_summary(cost, nodes=(2, 4, 8, 16, 32)) -> dict | None:
+    """What a cost curve says now, for benchmark records: relative cost at ``nodes`` and, for an
+    :class:`OnlineCost`, the seconds of a one-token pass it measured (None: no curve)."""
+    if cost is None:
+        return None
+    out = {"relative": {n: round(float(cost(n)), 3) for n in nodes}}
+    spt = getattr(cost, "seconds_per_token", None)
+    if spt is not None:
+        out["seconds_per_token"] = round(spt, 5)
+    return out
+
+
 def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int = 256, repeats: int = 7) -> dict:
     """Median wall time of one verify pass over ``n`` tree nodes after a ``prefix_len`` prefix,
     for each ``n`` in ``nodes``; returns ``{"seconds": {n: s}, "relative": {n: s / s(1)}}``."""

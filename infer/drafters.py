@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cost import DEFAULT_COST, VerifyCost, best_chain_depth
+from .cost import DEFAULT_COST, VerifyCost, best_chain_depth, cost_summary
 from .tree import DynamicTreeSpec, Tree, TreeSpec, build_tree
 
 
@@ -77,6 +77,11 @@ class Drafter(ABC):
         """``tokens`` ``[k]`` (root, then accepted drafts) entered the verifier's cache;
         ``features`` ``[k, F, H]`` are the verifier's hidden states there."""
 
+    def state(self) -> dict:
+        """What the drafter has learnt so far in this generation, for benchmark records (JSON;
+        reads device values, so call it between generations, not in the decoding loop)."""
+        return {}
+
 
 class NoDrafter(Drafter):
     """Plain decoding through the speculative engine: every tree is just the root."""
@@ -129,6 +134,10 @@ class PromptLookupDrafter(Drafter):
         """Estimated per-token acceptance of drafts from ``n``-gram matches in this generation."""
         succ, fail = self._stats.get(n, (1.0, 1.0))
         return succ / (succ + fail)
+
+    def state(self) -> dict:
+        return {"acceptance": {n: round(self.acceptance(n), 3) for n in sorted(self._stats)},
+                "cost": cost_summary(self.cost) if self.adaptive else None}
 
     def begin(self, prompt_ids, features=None) -> None:
         self._ctx = np.zeros(max(1024, 2 * len(prompt_ids)), dtype=np.int64)
@@ -277,6 +286,9 @@ class UnionDrafter(Drafter):
     def update(self, tokens, features) -> None:
         for d in self.drafters:
             d.update(tokens, self._features_for(d, features))
+
+    def state(self) -> dict:
+        return {"members": [d.state() for d in self.drafters]}
 
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
         first = self.drafters[0].propose(root, tree=tree, max_depth=max_depth, generator=generator)

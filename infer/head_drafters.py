@@ -25,6 +25,7 @@ from heads import Eagle3Head, MedusaHeads, load_head
 from heads.masks import additive_mask
 from heads.modules import DraftHead
 
+from .cost import cost_summary
 from .drafters import Draft, Drafter, root_only
 from .errors import UserError
 from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
@@ -146,6 +147,7 @@ class Gate:
     skip: int = 0
     max_backoff: int = 64
     alpha: float = 0.3
+    paused: int = 0  # steps it paused drafting for (this generation)
 
     @classmethod
     def new(cls, device, start: float = 1.2) -> Gate:
@@ -154,6 +156,7 @@ class Gate:
     def should_draft(self) -> bool:
         if self.skip > 0:
             self.skip -= 1
+            self.paused += 1
             return False
         return True
 
@@ -237,6 +240,12 @@ class EagleDrafter(Drafter):
                 self.gate.record((1.0 + accepted) / spent)
         self._feats.append(features)
         self._tokens.append(tokens)
+
+    def state(self) -> dict:
+        return {"paused_steps": self.gate.paused, "gate_gain": round(float(self.gate.ema), 3),
+                "calibration": {f"{'sampled' if s else 'greedy'}, depth {d}": [round(x, 3) for x in c.log_scale().tolist()]
+                                for (s, d), c in self._calibration.items()},
+                "cost": cost_summary(self.cost)}
 
     def _catch_up(self, root: torch.Tensor) -> torch.Tensor:
         """Feed the head every committed pair it has not seen and the root's pair (the last

@@ -87,3 +87,7 @@ def test_a_head_that_is_never_accepted_stops_running():
     assert res.token_ids == hf_greedy(model, ids, 60)
     assert res.stats.mean_accepted < 1.2  # a random head: nothing to gain
     assert len(passes) < 0.4 * res.stats.verify_steps, (len(passes), res.stats.verify_steps)
+    state = drafter.state()  # what a benchmark row records: the pauses, the learnt curve
+    assert state["paused_steps"] > 0.5 * res.stats.verify_steps and state["gate_gain"] < 1.0
+    assert state["cost"]["seconds_per_token"] > 0 and state["cost"]["relative"][4] >= 1.0
+    assert list(state["calibration"]) == ["greedy, depth 4"]

@@ -186,6 +186,8 @@ def test_bench_compares_several_drafts_and_reports_efficiency(tmp_path, capsys):
     plain = res["methods"]["spec:none"]["overall"]
     assert plain["identical"] == 2 and plain["tau"] == pytest.approx(1.0, abs=0.1) and plain["mean_tree_nodes"] == 1.0
     assert plain["ideal_speedup"] == pytest.approx(1.0)  # one node per pass: nothing to gain
+    # each speculative row records what its drafter learnt (prompt lookup: acceptance per n-gram length)
+    assert all("acceptance" in r["spec:pld"]["drafter"] and r["spec:none"]["drafter"] == {} for r in res["per_prompt"])
     pld = res["methods"]["spec:pld"]["overall"]
     assert pld["identical"] == 2 and pld["mean_tree_nodes"] > 1 and pld["efficiency"] == pytest.approx(pld["speedup"] / pld["ideal_speedup"])
     assert "spec:pld" in stdout and "effic." in stdout
