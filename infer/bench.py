@@ -70,6 +70,7 @@ def run_bench(
     seed: int = 0,
     partial: str | Path | None = None,
     fingerprint: dict | None = None,
+    kernels: dict[str, str] | None = None,
 ) -> dict:
     """Run the benchmark and return the results dict (see the module docstring).
 
@@ -79,7 +80,10 @@ def run_bench(
 
     ``partial``: a JSONL file that receives each prompt's results as soon as they are measured;
     a rerun with the same ``fingerprint`` (what defines the run: prompts, methods, drafts, ...)
-    takes the prompts already there and measures only the rest. A different fingerprint is refused."""
+    takes the prompts already there and measures only the rest. A different fingerprint is refused.
+
+    ``kernels``: ``{label: linear kernel}`` of the verifier each drafter's method runs on
+    (:mod:`infer.kernels`; default ``auto`` for all). HF's methods always run the stock model."""
     from tqdm.auto import tqdm
 
     from .text import encode_prompt, eos_ids
@@ -90,8 +94,9 @@ def run_bench(
     if temperature > 0 and "hf-pld" in methods:
         raise UserError("hf-pld is greedy only here: drop it from --methods when sampling")
     eos = eos_ids(model, tokenizer)
-    verifier = Verifier(model)
     drafters = drafter if isinstance(drafter, dict) else {"": drafter}
+    kernels = kernels or {}
+    verifiers = {k: Verifier(model, linear=k) for k in {kernels.get(label, "auto") for label in drafters}}
     sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
 
     def vanilla(ids):
@@ -110,7 +115,8 @@ def run_bench(
             continue
         for label, d in drafters.items():
             name = f"spec:{label}" if len(drafters) > 1 else "spec"
-            runners[name] = lambda ids, d=d: _spec(verifier, d, ids, max_new_tokens, eos, tree, temperature, seed)
+            v = verifiers[kernels.get(label, "auto")]
+            runners[name] = lambda ids, d=d, v=v: _spec(v, d, ids, max_new_tokens, eos, tree, temperature, seed)
             drafter_of[name] = d
             expanded.append(name)
     methods = tuple(expanded)

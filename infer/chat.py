@@ -29,6 +29,7 @@ class ChatSession:
     system: str | None = None
     gen_kwargs: dict = field(default_factory=dict)
     messages: list[dict] = field(default_factory=list)
+    verifier: object = None  # a Verifier of ``model`` to generate with (None: one with the auto kernel)
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -48,7 +49,7 @@ class ChatSession:
         printed = ""
         stats = None
         stopped = False
-        chunks = stream(self.model, self.drafter, self.encode(), tokenizer=self.tokenizer,
+        chunks = stream(self.verifier or self.model, self.drafter, self.encode(), tokenizer=self.tokenizer,
                         eos_token_id=eos_ids(self.model, self.tokenizer), **self.gen_kwargs)
         try:
             for chunk in chunks:

@@ -28,15 +28,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="auto: measure the verify-cost curve at load; trained heads size each dynamic tree for the most tokens per second and prompt lookup sizes its drafts by it. fixed: heads always use the tree's num_nodes, prompt lookup the built-in curve")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    _add_placement(p)
+    _add_placement(p, kernels=True)
     p.add_argument("--draft-dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="what trained heads compute in: auto = the verifier's dtype, bf16 for a float32 verifier on a CPU with native bf16 (never changes the output)")
 
 
-def _add_placement(p: argparse.ArgumentParser) -> None:
+def _add_placement(p: argparse.ArgumentParser, kernels: bool = False) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="the verifier's dtype: auto = float32 on CPU, the checkpoint's dtype (bf16 if none) on a GPU; heads follow it")
+    p.add_argument("--linear", default="auto", help="kernel of the verifier's float32 CPU linear layers: auto (oneDNN where "
+                   "a short measurement finds it faster than stock; never on a GPU), stock or onednn" +
+                   ("; bench takes a comma-separated list and runs every speculative method on each (labels get [kernel] after the first)" if kernels else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,10 +157,27 @@ def _load(args, text_for: str | None = None):
     return lv
 
 
-def _drafter(args, draft: str, model, tree):
+def _drafter(args, draft: str, model, tree, linear: str | None = None):
     from .loading import load_drafter
 
-    return load_drafter(draft, model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype)
+    return load_drafter(draft, model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype,
+                        linear=linear or args.linear)
+
+
+def _verifier(args, model):
+    from .verifier import Verifier
+
+    return Verifier(model, linear=args.linear)
+
+
+def bench_kernels(text: str) -> list[str]:
+    """``--linear`` of bench: comma-separated kernels, each once (checked: a one-line UserError)."""
+    from .kernels import KERNELS
+
+    out = [k.strip() for k in text.split(",") if k.strip()]
+    if not out or len(set(out)) != len(out) or any(k not in KERNELS for k in out):
+        raise UserError(f"--linear {text!r}: give one or more of {', '.join(KERNELS)}, comma-separated, each once")
+    return out
 
 
 def cmd_generate(args) -> int:
@@ -172,14 +192,15 @@ def cmd_generate(args) -> int:
     tree = _tree(args)
     lv = _load(args, "generate needs text (random shapes without one: use bench or cost)")
     drafter = _drafter(args, args.draft, lv.model, tree)
+    verifier = _verifier(args, lv.model)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
-    chunks = stream(lv.model, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
+    chunks = stream(verifier, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
                     stop=args.stop, tokenizer=lv.tokenizer)
     if args.compare:  # warm both paths up so that the timings compare steady states
         from .bench import hf_generate
 
         hf_generate(lv.model, ids, 4, eos_ids(lv.model, lv.tokenizer))
-        for _ in stream(lv.model, drafter, ids, max_new_tokens=4):
+        for _ in stream(verifier, drafter, ids, max_new_tokens=4):
             pass
     tokens: list[int] = []
     printed = ""
@@ -259,17 +280,23 @@ def cmd_bench(args) -> int:
     if len(set(labels)) != len(labels):
         raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component and the tree)")
     trees = [load_tree_spec(t) if t else tree for _, t in entries]  # bad trees fail before loading
+    kernels = bench_kernels(args.linear)
     lv = _load(args, "bench reads text prompts")
-    drafters = {label: _drafter(args, d, lv.model, t) for label, (d, _), t in zip(labels, entries, trees)}
+    drafters, kernel_of = {}, {}
+    for i, kernel in enumerate(kernels):  # each kernel its own drafters: their cost curves learn its times
+        for label, (d, _), t in zip(labels, entries, trees):
+            name = label if i == 0 else f"{label}[{kernel}]"
+            drafters[name], kernel_of[name] = _drafter(args, d, lv.model, t, kernel), kernel
     config = {"verifier": args.verifier, "draft": args.draft, "tree": args.tree, "tree_budget": args.tree_budget,
               "temperature": args.temperature, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-              "limit": args.limit, "chat": args.chat, "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device}
-    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods,
+              "limit": args.limit, "chat": args.chat, "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device,
+              "linear": args.linear}
+    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
                         temperature=args.temperature, seed=args.seed, partial=partial, fingerprint=config)
     results["config"] = {"command": "specheads " + " ".join(sys.argv[1:]), **config, "n_prompts": len(prompts), **environment()}
-    if args.verify_cost:
-        results["verify_cost"] = measure_verify_cost(lv.model)
+    if args.verify_cost:  # the curve of the first kernel, which the unsuffixed methods ran on
+        results["verify_cost"] = measure_verify_cost(lv.model, linear=kernels[0])
         add_efficiency(results, results["verify_cost"])
     write_atomic(out, lambda p: p.write_text(json.dumps(results, indent=1, default=str)))
     if args.plot:
@@ -302,7 +329,7 @@ def cmd_chat(args) -> int:
     drafter = _drafter(args, args.draft, lv.model, tree)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
-    return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen))
+    return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen, verifier=_verifier(args, lv.model)))
 
 
 def cmd_export(args) -> int:
@@ -357,7 +384,7 @@ def cmd_cost(args) -> int:
     if not nodes or min(nodes) < 1 or args.prefix_len < 1 or args.repeats < 1:
         raise UserError("--nodes, --prefix-len and --repeats must be positive")
     lv = _load(args)
-    cost = measure_verify_cost(lv.model, nodes, prefix_len=args.prefix_len, repeats=args.repeats)
+    cost = measure_verify_cost(lv.model, nodes, prefix_len=args.prefix_len, repeats=args.repeats, linear=args.linear)
     if args.json:
         print(json.dumps(cost))
     else:

@@ -151,13 +151,15 @@ def cost_summary(cost, nodes=(2, 4, 8, 16, 32)) -> dict | None:
     return out
 
 
-def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int = 256, repeats: int = 7) -> dict:
+def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int = 256, repeats: int = 7,
+                        linear: str = "auto") -> dict:
     """Median wall time of one verify pass over ``n`` tree nodes after a ``prefix_len`` prefix,
-    for each ``n`` in ``nodes``; returns ``{"seconds": {n: s}, "relative": {n: s / s(1)}}``."""
+    for each ``n`` in ``nodes``, on the ``linear`` kernel (:mod:`infer.kernels`); returns
+    ``{"seconds": {n: s}, "relative": {n: s / s(1)}, "kernel": ...}``."""
     from .tree import build_tree
     from .verifier import Verifier
 
-    verifier = Verifier(model)
+    verifier = Verifier(model, linear=linear)
     vocab = verifier.vocab_size
     g = torch.Generator().manual_seed(0)
     verifier.prefill(torch.randint(0, vocab, (prefix_len,), generator=g))
@@ -175,7 +177,8 @@ def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int =
             verifier.rollback()
         seconds[n] = statistics.median(times[1:])
     base = seconds[nodes[0]]
-    return {"prefix_len": prefix_len, "seconds": seconds, "relative": {n: s / base for n, s in seconds.items()}}
+    return {"prefix_len": prefix_len, "seconds": seconds, "relative": {n: s / base for n, s in seconds.items()},
+            "kernel": verifier.kernel}
 
 
 #: Measured with `specheads cost` for the default verifier on the 2-core CPU machine (BENCHMARKS.md).

@@ -52,30 +52,33 @@ def tree_fits(head_path: str, tree: TreeSpec) -> bool:
     return (read_config(resolve(head_path)).head_type in ("medusa", "medusa2")) == isinstance(tree, StaticTreeSpec)
 
 
-def probe_cost(model) -> OnlineCost | None:
-    """The verify-cost curve to size drafts by: a short probe (about a second on a small model),
-    refined by the engine's own measurements. None when the model is so fast that the probe
-    is timing noise (tiny test models): drafts then keep their fixed size."""
-    prior = VerifyCost.from_measurement(measure_verify_cost(model, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3))
+def probe_cost(model, linear: str = "auto") -> OnlineCost | None:
+    """The verify-cost curve to size drafts by: a short probe (about a second on a small model)
+    on the verifier's ``linear`` kernel, refined by the engine's own measurements. None when the
+    model is so fast that the probe is timing noise (tiny test models): drafts then keep their fixed size."""
+    prior = VerifyCost.from_measurement(measure_verify_cost(model, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3, linear=linear))
     if prior is None:
         log.info("the verify-cost curve is within timing noise: using the fixed tree budget")
         return None
     return OnlineCost(prior)
 
 
-def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str = "auto", draft_dtype="auto") -> Drafter:
+def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str = "auto", draft_dtype="auto",
+                 linear: str = "auto") -> Drafter:
     """The drafter a ``--draft`` spec names, for verifier ``model`` (see the module docstring).
 
     ``tree`` shapes the first drafter; under ``auto``, the first one that grows that kind of tree
     (prompt lookup grows any). ``budget``: ``auto`` sizes drafts by the measured cost curve,
     ``fixed`` uses the tree's node count. ``draft_dtype``: what EAGLE heads compute in
-    (:func:`~infer.head_drafters.draft_dtype`). A head trained for another verifier is refused."""
+    (:func:`~infer.head_drafters.draft_dtype`). ``linear``: the verifier's kernel that the cost
+    probe measures (:mod:`infer.kernels`; pass the one the engine's verifier runs). A head
+    trained for another verifier is refused."""
     if budget not in ("auto", "fixed"):
         raise UserError(f"budget must be 'auto' or 'fixed', not {budget!r}")
     parts = draft_parts(spec, model)
     if parts == ["none"]:
         return NoDrafter()
-    cost = probe_cost(model) if budget == "auto" else None
+    cost = probe_cost(model, linear) if budget == "auto" else None
 
     def one(part: str, tree_):
         if part == "pld":

@@ -1,0 +1,108 @@
+"""The verifier's CPU linear kernel (infer.kernels): oneDNN computes what F.linear computes, only
+float32 CPU inference calls are routed, the engine stays exact on it for every family, and
+``auto`` picks by measurement (stock on GPUs, half precision and toy models)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import VOCAB, ReferenceDrafter, hf_greedy
+from infer import generate, kernels
+from infer.cli import bench_kernels
+from infer.errors import UserError
+from infer.models import tiny_random_model
+from infer.tree import build_tree
+from infer.verifier import Verifier
+
+pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN float32 linear")
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 64), (2, 5, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g), torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    ours = kernels.onednn_linear(x, w, b)
+    assert ours.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(ours, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_mode_routes_only_float32_cpu_inference(monkeypatch):
+    calls = []
+    real = kernels.onednn_linear
+    monkeypatch.setattr(kernels, "onednn_linear", lambda *a: calls.append(a[0].dtype) or real(*a))
+    lin = torch.nn.Linear(8, 4)
+    half = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    x = torch.randn(3, 8)
+    with kernels.OneDNNLinear():
+        with torch.inference_mode():
+            routed = lin(x)
+            half(x.to(torch.bfloat16))  # PyTorch's own bf16 path already is oneDNN
+        trained = lin(x)  # autograd on: left to the stock kernel
+    assert calls == [torch.float32]
+    assert trained.requires_grad
+    torch.testing.assert_close(routed, trained.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_tree_logits_on_onednn_equal_stock_sequential_logits(tiny_model):
+    """Every family: the tree pass on oneDNN matches plain HF forwards on the stock kernel."""
+    prefix, tokens, parents = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], [-1, 0, 0, 1, 1, 3]
+    v = Verifier(tiny_model, feature_layers=(-1,), linear="onednn")
+    assert v.kernel == "onednn"
+    v.prefill(torch.tensor(prefix))
+    tree = build_tree(parents)
+    out = v.verify(torch.tensor(tokens), tree)
+    for i in range(tree.num_nodes):
+        path = tree.ancestor_mask[i].nonzero().flatten().tolist()
+        with torch.no_grad():
+            ref = tiny_model(torch.tensor(prefix + [tokens[j] for j in path])[None], output_hidden_states=True)
+        torch.testing.assert_close(out.logits[i], ref.logits[0, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.features[i, 0], ref.hidden_states[-1][0, -1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("p_right", [1.0, 0.0, 0.5])  # oracle, always wrong, random
+def test_speculative_greedy_on_onednn_equals_vanilla_greedy(tiny_model, p_right):
+    prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(11))
+    ref = hf_greedy(tiny_model, prompt, 40)
+    drafter = ReferenceDrafter(ref, 7, [-1, 0, 1, 0, 3, 1], p_right=p_right, seed=2)
+    res = generate(Verifier(tiny_model, linear="onednn"), drafter, prompt, max_new_tokens=40)
+    assert res.token_ids == ref
+    if p_right == 1.0:
+        assert res.stats.mean_accepted > 2
+    if p_right == 0.0:
+        assert res.stats.accepted_hist[1] == res.stats.verify_steps  # every step: the bonus token only
+
+
+def test_auto_keeps_stock_for_toy_half_precision_and_gpu_models(llama, monkeypatch):
+    monkeypatch.setattr(kernels, "measure_linear", lambda w: pytest.fail("toy models are not timed"))
+    assert Verifier(llama).kernel == "stock"  # output projection of 256 x 64 weights
+    assert kernels.linear_kernel(tiny_random_model("llama", vocab_size=VOCAB).to(torch.bfloat16)) == "stock"
+    assert kernels.linear_kernel(llama, "stock") == "stock"
+    assert kernels.linear_kernel(llama, "onednn") == "onednn"
+    with pytest.raises(UserError, match="linear kernel must be one of auto, stock, onednn"):
+        kernels.linear_kernel(llama, "mkl")
+
+
+@pytest.mark.parametrize("measured,expected", [({"stock": 0.045, "onednn": 0.020}, "onednn"),
+                                               ({"stock": 0.020, "onednn": 0.019}, "stock"),
+                                               ({"stock": 0.020, "onednn": 0.045}, "stock")])
+def test_auto_measures_once_per_model_and_keeps_onednn_only_where_clearly_faster(monkeypatch, measured, expected):
+    big = tiny_random_model("llama", vocab_size=16384, hidden_size=64, num_layers=1)  # 1M output weights
+    probes = []
+    monkeypatch.setattr(kernels, "measure_linear", lambda w: probes.append(w.shape) or measured)
+    assert Verifier(big).kernel == expected
+    assert Verifier(big).kernel == expected
+    assert probes == [(16384, 64)]
+
+
+def test_measure_linear_times_both_kernels():
+    out = kernels.measure_linear(torch.randn(32, 16), rows=(1, 2), repeats=1)
+    assert set(out) == {"stock", "onednn"} and all(t > 0 for t in out.values())
+
+
+def test_bench_kernel_list_is_checked():
+    assert bench_kernels("auto, stock") == ["auto", "stock"]
+    for bad in ("", "auto,auto", "auto,mkl"):
+        with pytest.raises(UserError, match="--linear"):
+            bench_kernels(bad)
