@@ -28,6 +28,7 @@ from heads.modules import DraftHead
 from .cost import cost_summary
 from .drafters import Draft, Drafter, root_only
 from .errors import UserError
+from .kernels import median_seconds
 from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
 from .verifier import crop_cache
 
@@ -347,20 +348,12 @@ def _cpu_has_fast_bf16() -> bool:
 
 def _bf16_is_faster(rows: int = 8, width: int = 576, vocab: int = 8192, repeats: int = 5) -> bool:
     """Time a head-sized projection in float32 and bfloat16 on this CPU (medians)."""
-    import statistics
-
     x = torch.randn(rows, width)
     w = torch.randn(vocab, width)
     times = {}
     for dt in (torch.float32, torch.bfloat16):
         a, b = x.to(dt), w.to(dt)
-        torch.nn.functional.linear(a, b)
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(a, b)
-            runs.append(time.perf_counter() - t0)
-        times[dt] = statistics.median(runs)
+        times[dt] = median_seconds(lambda a=a, b=b: torch.nn.functional.linear(a, b), repeats)
     return times[torch.bfloat16] * 1.3 < times[torch.float32]
 
 

@@ -74,7 +74,8 @@ def onednn_available() -> bool:
         return False
 
 
-def _time(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -89,8 +90,8 @@ def measure_linear(weight: torch.Tensor, rows=(1, 4, 8), repeats: int = 3) -> di
     out = {}
     with torch.inference_mode():
         xs = [torch.randn(m, weight.shape[1], dtype=weight.dtype) for m in rows]
-        out["stock"] = sum(_time(lambda x=x: F.linear(x, weight), repeats) for x in xs)
-        out["onednn"] = sum(_time(lambda x=x: onednn_linear(x, weight), repeats) for x in xs)
+        out["stock"] = sum(median_seconds(lambda x=x: F.linear(x, weight), repeats) for x in xs)
+        out["onednn"] = sum(median_seconds(lambda x=x: onednn_linear(x, weight), repeats) for x in xs)
     return out
 
 
@@ -103,7 +104,7 @@ def linear_kernel(model, choice: str = "auto") -> str:
     """The kernel the verifier's float32 CPU linears run on: ``stock`` or ``onednn``.
 
     ``auto``: oneDNN where it is available, the model computes in float32 on the CPU, its output
-    projection has at least :data:`MIN_PROBE_WEIGHTS` weights and a ~0.2 s measurement on that
+    projection has at least :data:`MIN_PROBE_WEIGHTS` weights and a ~0.3 s measurement on that
     projection found oneDNN faster (measured once per model); otherwise stock. ``onednn`` forces
     it (a UserError where this PyTorch cannot), ``stock`` never routes anything."""
     if choice not in KERNELS:
