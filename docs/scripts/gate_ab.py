@@ -23,20 +23,15 @@ from infer.prompts import read_prompts
 class ProbeWindow(Gate):
     """A probe after a pause is judged by the mean gain of its next 3 drafted steps."""
 
-    window: list
+    window: tuple = ()
 
     def record(self, gain):
-        if self.backoff > 1:
-            self.window = getattr(self, "window", []) + [gain]
+        if self.backoff > 1:  # probing: the shipped gate judges the gain it is given, here the window's mean
+            self.window += (gain,)
             if len(self.window) < 3:
                 return
-            self.ema, self.window = torch.stack(self.window).mean(), []
-        else:
-            self.ema = (1 - self.alpha) * self.ema + self.alpha * gain
-        if bool(self.ema > 1.0):
-            self.backoff, self.skip = 1, 0
-        else:
-            self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.max_backoff)
+            gain, self.window = torch.stack(self.window).mean(), ()
+        super().record(gain)
 
 
 class NeverPause(Gate):
