@@ -379,3 +379,39 @@ def test_training_on_a_directory_of_compressed_parts(tmp_path, llama_data):
     assert train_main(["--config", str(RECIPE), f"data={parts}", "prompts=", f"output_dir={tmp_path / 'run'}",
                        "max_steps=2", "batch_size=2", "eval_fraction=0"]) == 0
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ the rest of docs/refused-inputs.md
+
+
+def test_more_refusals_each_one_line(tmp_path, monkeypatch, capsys, no_loading, llama_data):
+    bad = tmp_path / "p.jsonl"
+    bad.write_bytes(b'{"prompt": "ok"}\n{"prompt": "\xff\xfe"}\n')
+    assert distill_main([*LLAMA, "--prompts", str(bad), "--out", str(tmp_path / "d.jsonl")]) == 2
+    one_line(capsys, f"{bad}:2: not UTF-8 text")
+    assert distill_main([*LLAMA, "--prompts", "synthetic:2", "--out", str(tmp_path / "d.jsonl.xz")]) == 2
+    one_line(capsys, "distillation writes plain JSONL")
+    monkeypatch.setattr(datafile, "MAX_PROMPT_FILE_BYTES", 10)
+    bad.write_text('{"prompt": "a prompt longer than ten bytes"}\n')
+    assert distill_main([*LLAMA, "--prompts", str(bad), "--out", str(tmp_path / "d.jsonl")]) == 2
+    one_line(capsys, "larger than 10 bytes (the limit)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="holds no \\*.jsonl"):
+        load_records(empty, 128)
+    notjson = tmp_path / "n.jsonl"
+    notjson.write_text(llama_data.read_text().splitlines()[0] + "\n{not json\n")
+    with pytest.raises(DataError, match="n.jsonl:2: not a distilled record"):
+        load_records(notjson, 128)
+    for overrides, message in [
+        ([f"data={tmp_path}/x.jsonl.xz", "prompts=synthetic:4"], "is compressed: distillation appends plain JSONL"),
+        (["data=/dev/zero", "prompts="], "data /dev/zero is not a regular file"),
+    ]:
+        assert train_main(["--check", "--config", str(RECIPE), *overrides, f"output_dir={tmp_path / 'o'}"]) == 2
+        one_line(capsys, message, prefix="train_heads: error: ")
+    assert train_main(["--check", "--config", "/dev/zero"]) == 2
+    one_line(capsys, "config /dev/zero is not a regular file", prefix="train_heads: error: ")
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (1 << 20) + "\n")
+    assert train_main(["--check", "--config", str(big)]) == 2
+    one_line(capsys, "larger than 1,048,576 bytes (the limit)", prefix="train_heads: error: ")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import yaml
 
-
 #: the largest recipe read (a YAML file of a few dozen keys)
 MAX_RECIPE_BYTES = 1 << 20
 

@@ -57,7 +57,15 @@ def main(argv=None) -> int:
     from infer.files import check_output_file
     from infer.models import load_verifier, resolve_device
     from infer.params import SamplingParams
-    from train.datafile import DataError, check_output_name, headerless_message, lock_file, make_header, scan_output, write_header
+    from train.datafile import (
+        DataError,
+        check_output_name,
+        headerless_message,
+        lock_file,
+        make_header,
+        scan_output,
+        write_header,
+    )
 
     out = Path(args.out)
     try:  # every argument and input is checked before the verifier loads

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import math
+import os
 import shutil
 import sys
 import time
