@@ -446,6 +446,8 @@ def _filter_launcher(proc) -> int:
     if start >= 0 and "CalledProcessError" in held[start:]:
         status = re.search(r"returned non-zero exit status (\d+)", held[start:])
         held, code = held[:start], int(status[1]) if status else code
+    elif start >= 0 and held.rstrip().endswith("KeyboardInterrupt"):  # Ctrl-C: the program said so in one line
+        held, code = held[:start], 130
     sys.stderr.write(held)
     sys.stderr.flush()
     return code

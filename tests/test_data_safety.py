@@ -415,3 +415,18 @@ def test_more_refusals_each_one_line(tmp_path, monkeypatch, capsys, no_loading, 
     big.write_text("# " + "x" * (1 << 20) + "\n")
     assert train_main(["--check", "--config", str(big)]) == 2
     one_line(capsys, "larger than 1,048,576 bytes (the limit)", prefix="train_heads: error: ")
+
+
+LAUNCHER_CTRL_C = r"""
+import sys
+sys.stderr.write("train_heads: interrupted: --resume continues from the last checkpoint\n")
+sys.stderr.write('Traceback (most recent call last):\n  File "accelerate", line 6, in <module>\n    process.wait()\nKeyboardInterrupt\n')
+sys.exit(1)
+"""
+
+
+def test_ctrl_c_under_the_launcher_is_the_programs_one_line(capfd):
+    from infer.cli import _run
+
+    assert _run([sys.executable, "-c", LAUNCHER_CTRL_C], launcher=True) == 130
+    assert capfd.readouterr().err == "train_heads: interrupted: --resume continues from the last checkpoint\n"
