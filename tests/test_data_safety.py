@@ -430,3 +430,19 @@ def test_ctrl_c_under_the_launcher_is_the_programs_one_line(capfd):
 
     assert _run([sys.executable, "-c", LAUNCHER_CTRL_C], launcher=True) == 130
     assert capfd.readouterr().err == "train_heads: interrupted: --resume continues from the last checkpoint\n"
+
+
+def test_write_header_refuses_a_file_another_process_holds_open(tmp_path, llama_data):
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps(r) + "\n" for r in rows(llama_data)[1:3]))
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'a'); print('open', flush=True); "
+                               "time.sleep(60)", str(old)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        with pytest.raises(DataError, match=f"is open in process {writer.pid}: stop it first"):
+            datafile.write_header(old, rows(llama_data)[0])
+    finally:
+        writer.kill()
+        writer.wait()
+    datafile.write_header(old, rows(llama_data)[0])
+    assert rows(old)[0] == rows(llama_data)[0] and len(rows(old)) == 3

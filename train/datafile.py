@@ -285,6 +285,10 @@ def write_header(path: str | Path, header: dict) -> Path:
     scan = scan_output(path)
     if scan.header is not None:
         raise DataError(f"{path} already has a header ({_describe(scan.header['verifier'])})")
+    writers = open_elsewhere(path)
+    if writers:
+        raise DataError(f"{path} is open in process {', '.join(map(str, writers))}: stop it first (its later lines would "
+                        f"go to the replaced file), then add the header")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -301,6 +305,31 @@ def write_header(path: str | Path, header: dict) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def open_elsewhere(path: Path) -> list[int]:
+    """Other processes that hold ``path`` open (Linux ``/proc``; elsewhere, or unreadable: none)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        if int(proc.name) == os.getpid():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                fst = os.stat(fd)
+            except OSError:
+                continue
+            if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+                out.append(int(proc.name))
+                break
+    return out
 
 
 # ---------------------------------------------------------------------------- data for training
