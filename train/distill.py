@@ -63,6 +63,7 @@ def main(argv=None) -> int:
         headerless_message,
         lock_file,
         make_header,
+        open_elsewhere,
         scan_output,
         write_header,
     )
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
         scan = scan_output(out)  # a damaged file or one without a header: refused before loading
         if args.write_header_only and scan.header is not None:
             raise UserError(f"{out} already has a header: nothing to do")
+        if args.write_header_only and open_elsewhere(out):
+            raise UserError(f"{out} is open in process {', '.join(map(str, open_elsewhere(out)))}: stop it first (its later "
+                            f"lines would go to the replaced file), then add the header")
         if not args.write_header_only and scan.header is None and scan.records:
             raise UserError(headerless_message(out))
         lv = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
