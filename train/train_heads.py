@@ -174,28 +174,21 @@ def save_checkpoint(accelerator, ckpt_dir: Path, step: int, history: list) -> Pa
 def train(cfg: TrainConfig) -> dict:
     """Train (see :func:`_train`) holding ``output_dir``'s exclusive lock (main process): a second
     run into the same directory is refused at once."""
-    from accelerate import PartialState
-
-    from train.datafile import DataError, lock_dir
-
     cfg.check_paths()
+    held: list = []  # the lock, taken by _train's main process once accelerate knows which that is
     try:
-        lock = lock_dir(cfg.output_dir) if PartialState().is_main_process else None
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        return _train(cfg)
+        return _train(cfg, held)
     finally:
-        if lock is not None:
+        for lock in held:
             lock.release()
 
 
-def _train(cfg: TrainConfig) -> dict:
+def _train(cfg: TrainConfig, held: list) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     from infer.models import load_verifier
-    from train.datafile import DataError, check_data_source, headerless_message, scan_output
+    from train.datafile import DataError, check_data_source, headerless_message, lock_dir, scan_output
 
     out = Path(cfg.output_dir)
     accelerator = Accelerator(
@@ -212,6 +205,7 @@ def _train(cfg: TrainConfig) -> dict:
     prompts = None
     if accelerator.is_main_process:  # inputs checked before the verifier loads
         try:
+            held.append(lock_dir(out))  # one run per output_dir: a second stops here
             if cfg.prompts:
                 prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed, shuffle=cfg.shuffle_prompts)
                 scan = scan_output(data_path, repair=False)  # a damaged file, or one without a header: refused now
