@@ -400,18 +400,28 @@ def _run(cmd: list[str], *, launcher: bool = False) -> int:
     ``CalledProcessError`` traceback after the program's one-line error. Its stderr is streamed
     as it comes (progress bars' ``\\r`` lines too) up to the last traceback, which is dropped when
     it is the launcher's, and the program's own exit status (2 for a user error) is returned
-    instead of accelerate's 1."""
+    instead of accelerate's 1.
+
+    The child imports this package whatever the working directory, and ends with this process
+    (:mod:`infer.procs`: a kill of the command, even SIGKILL, ends the child)."""
+    import subprocess
+
+    from .procs import child_env, exit_status, forward_signals, preexec_die_with_parent
+
+    try:
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE if launcher else None, env=child_env(),
+                                preexec_fn=preexec_die_with_parent())
+    except FileNotFoundError as e:
+        raise UserError(f"cannot run {cmd[0]}: {e.strerror}") from None
+    with forward_signals(proc):
+        return exit_status(proc.wait() if not launcher else _filter_launcher(proc))
+
+
+def _filter_launcher(proc) -> int:
     import codecs
     import os
     import re
-    import subprocess
 
-    try:
-        if not launcher:
-            return subprocess.call(cmd)
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
-    except FileNotFoundError as e:
-        raise UserError(f"cannot run {cmd[0]}: {e.strerror}") from None
     marker = "Traceback (most recent call last):"
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     pending, held = "", None  # an incomplete last line; from the first traceback on, everything
@@ -436,6 +446,8 @@ def _run(cmd: list[str], *, launcher: bool = False) -> int:
     if start >= 0 and "CalledProcessError" in held[start:]:
         status = re.search(r"returned non-zero exit status (\d+)", held[start:])
         held, code = held[:start], int(status[1]) if status else code
+    elif start >= 0 and held.rstrip().endswith("KeyboardInterrupt"):  # Ctrl-C: the program said so in one line
+        held, code = held[:start], 130
     sys.stderr.write(held)
     sys.stderr.flush()
     return code
@@ -454,7 +466,10 @@ def cmd_train(args) -> int:
 
     resume = ["--resume"] if args.resume else []
     train_args = ["--config", args.config, *resume, *args.overrides]
-    check = subprocess.run([sys.executable, "-m", "train.train_heads", "--check", *train_args], capture_output=True, text=True)
+    from .procs import child_env
+
+    check = subprocess.run([sys.executable, "-m", "train.train_heads", "--check", *train_args], capture_output=True,
+                           text=True, env=child_env())
     if check.returncode == 2:
         lines = check.stderr.strip().splitlines() or ["the training config is not valid"]
         raise UserError(lines[-1].removeprefix("train_heads: error: "))

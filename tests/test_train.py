@@ -267,9 +267,11 @@ def test_distill_resumes_and_writes_each_record_once(tmp_path):
         f.write('{"id": "synthetic-4", "input_')  # killed mid-write
     written = distill(lv.model, lv.tokenizer, prompts, path, max_new_tokens=8, batch_size=4, progress=False)
     assert written == 6
-    ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+    header, *lines = path.read_text().splitlines()
+    assert json.loads(header)["verifier"]["model_type"] == "llama"  # the header record comes first
+    ids = [json.loads(line)["id"] for line in lines]
     assert sorted(ids) == sorted(p.id for p in prompts)
-    for line in path.read_text().splitlines():
+    for line in lines:
         rec = json.loads(line)
         assert len(rec["input_ids"]) == len(rec["loss_mask"]) and sum(rec["loss_mask"]) >= 1
         assert rec["loss_mask"] == sorted(rec["loss_mask"])  # prompt (0s) then response (1s)

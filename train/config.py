@@ -13,6 +13,9 @@ from pathlib import Path
 
 import yaml
 
+#: the largest recipe read (a YAML file of a few dozen keys)
+MAX_RECIPE_BYTES = 1 << 20
+
 
 class ConfigError(ValueError):
     """A bad recipe or override: the message names the key."""
@@ -119,10 +122,16 @@ class TrainConfig:
             raise ConfigError(f"prompts file {self.prompts} does not exist (JSONL, hf:NAME[:SPLIT] or synthetic:N)")
         if self.prompts:  # distilled into data first
             if self.distilled_path.is_dir():
-                raise ConfigError(f"data {self.distilled_path} is a directory, not a JSONL file")
+                raise ConfigError(f"data {self.distilled_path} is a directory, not a JSONL file (distillation appends to one file)")
+            if self.distilled_path.name.endswith((".gz", ".xz")):
+                raise ConfigError(f"data {self.distilled_path} is compressed: distillation appends plain JSONL (train on "
+                                  f"compressed data with prompts= empty)")
             _check_creatable(self.distilled_path.parent, "data")
-        elif not Path(self.data).is_file():
-            raise ConfigError(f"data file {self.data} does not exist: give a distilled JSONL, or prompts= to distil one")
+        elif Path(self.data).exists() and not Path(self.data).is_file() and not Path(self.data).is_dir():
+            raise ConfigError(f"data {self.data} is not a regular file")
+        elif not Path(self.data).is_file() and not Path(self.data).is_dir():
+            raise ConfigError(f"data file {self.data} does not exist: give distilled data (.jsonl, .jsonl.xz, .jsonl.gz or "
+                              f"a directory of them), or prompts= to distil one")
         _check_creatable(Path(self.output_dir), "output_dir")
         if self.init_from:
             from heads.io import pretrained_names
@@ -185,6 +194,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     raw: dict = {}
     if path:
         try:
+            if Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():
+                raise ConfigError(f"config {path} is not a regular file")
+            if Path(path).is_file() and Path(path).stat().st_size > MAX_RECIPE_BYTES:
+                raise ConfigError(f"config {path} is larger than {MAX_RECIPE_BYTES:,} bytes (the limit): not a recipe")
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from None

@@ -2,7 +2,9 @@
 
 ``distill`` is resumable: records are appended one batch at a time (flushed and synced), a
 restarted run skips the ids already written, and a torn last line is dropped, so every record is
-written exactly once. Multi-turn prompts (``"turns"``) are played out turn by turn: the verifier
+written exactly once; the file's first line is a header naming the verifier and the generation
+settings (:mod:`train.datafile`), and appending with another verifier or other settings is
+refused. Multi-turn prompts (``"turns"``) are played out turn by turn: the verifier
 answers the first user turn, its answer stays in the conversation, and so on; the record holds
 the whole conversation with the loss mask on every answer.
 """
@@ -19,6 +21,19 @@ import torch
 
 from infer.prompts import read_prompts
 from infer.text import encode_prompt, eos_ids
+from train.datafile import (  # noqa: F401 - write_header / make_header: prepend a header to older data
+    DataError,
+    check_output_name,
+    check_same_source,
+    headerless_message,
+    iter_records,
+    lock_file,
+    make_header,
+    repair_tail,
+    scan_output,
+    scan_prompt_file,
+    write_header,
+)
 
 
 @dataclass(frozen=True)
@@ -56,20 +71,8 @@ def _load_prompts(spec: str, seed: int) -> list[Prompt]:
         name, _, split = spec[3:].partition(":")
         ds = datasets.load_dataset(name, split=split or "train")
         return [Prompt(str(r.get("id", i)), r["prompt"]) for i, r in enumerate(ds)]
+    scan_prompt_file(spec)  # bounded, and no lone surrogates: a DataError naming the line
     return [Prompt(p.id if p.id is not None else str(i), p.text, p.turns[1:]) for i, p in enumerate(read_prompts(spec))]
-
-
-def _read_done(path: Path) -> set[str]:
-    """Ids already distilled; a torn last line (killed mid-write) is cut off."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-        data = data[:cut]
-    return {json.loads(line)["id"] for line in data.decode("utf-8").split("\n") if line.strip()}
 
 
 def _turn_joint(tokenizer, eos_text: str | None) -> callable:
@@ -132,16 +135,45 @@ def distill(
     max_prompt_tokens: int = 768,
     max_conversation_tokens: int = 1536,
     progress: bool = True,
+    verifier_name: str = "",
+    lock: bool = True,
 ) -> int:
     """Generate the verifier's responses (batched, greedy or sampled) and append records
-    ``{"id", "input_ids", "loss_mask"}`` (mask 1 on response tokens) to ``out_path``. A
+    ``{"id", "input_ids", "loss_mask"}`` (mask 1 on response tokens) to ``out_path``, whose first
+    line is the header (:func:`train.datafile.make_header`; written when the file is new). A
     conversation's later turns are played out while it stays under ``max_conversation_tokens``.
-    Returns the number of records written by this call."""
+    ``lock``: hold ``out_path``'s exclusive lock while writing (False: the caller holds it).
+    A file of another verifier or other settings, one without a header, or a damaged one is a
+    :class:`train.datafile.DataError`. Returns the number of records written by this call."""
+    out_path = Path(out_path)
+    check_output_name(out_path, "distill output")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    header = make_header(model, verifier_name, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                         max_prompt_tokens=max_prompt_tokens, max_conversation_tokens=max_conversation_tokens)
+    held = lock_file(out_path) if lock else None
+    try:
+        scan = scan_output(out_path)
+        if scan.header is None and scan.records:
+            raise DataError(headerless_message(out_path))
+        if scan.header is not None:
+            check_same_source(out_path, scan.header, header)
+        else:
+            write_header(out_path, header)
+        return _distill(model, tokenizer, prompts, out_path, scan.done, max_new_tokens=max_new_tokens,
+                        batch_size=batch_size, temperature=temperature, seed=seed, max_prompt_tokens=max_prompt_tokens,
+                        max_conversation_tokens=max_conversation_tokens, progress=progress)
+    except BaseException:  # Ctrl-C or a kill mid-append: no torn last line left behind
+        repair_tail(out_path)
+        raise
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _distill(model, tokenizer, prompts, out_path: Path, done: set[str], *, max_new_tokens, batch_size, temperature,
+             seed, max_prompt_tokens, max_conversation_tokens, progress) -> int:
     from tqdm.auto import tqdm
 
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _read_done(out_path)
     todo = [p for p in prompts if p.id not in done]
     eos = eos_ids(model, tokenizer)
     pad = eos[0] if eos else 0
@@ -191,17 +223,20 @@ class Record:
 
 
 def load_records(path: str | Path, max_seq_len: int) -> list[Record]:
-    """Distilled records, truncated to ``max_seq_len``; records without response tokens dropped."""
+    """Distilled records, truncated to ``max_seq_len``; records without response tokens dropped.
+    ``path``: a ``.jsonl``, ``.jsonl.gz`` or ``.jsonl.xz`` file, or a directory of such parts
+    (read in name order); header records are skipped (:func:`train.datafile.check_data_source`
+    checks them). Reads at most :data:`train.datafile.MAX_DATA_BYTES`."""
     out = []
-    for no, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), start=1):
-        if not line.strip():
-            continue
+    for part, no, r in iter_records(path):
         try:
-            r = json.loads(line)
             rec = Record(r["input_ids"][:max_seq_len], r["loss_mask"][:max_seq_len])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}:{no}: not a distilled record (needs input_ids and loss_mask)") from None
-        if sum(rec.loss_mask) >= 2:
+            if not all(isinstance(t, int) for t in rec.input_ids) or len(rec.input_ids) != len(rec.loss_mask):
+                raise TypeError
+            masked = sum(rec.loss_mask)
+        except (KeyError, TypeError):
+            raise DataError(f"{part}:{no}: not a distilled record (needs input_ids and loss_mask)") from None
+        if masked >= 2:
             out.append(rec)
     return out
 

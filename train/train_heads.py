@@ -15,8 +15,10 @@ newest complete one, so a kill mid-write costs only the steps since the one befo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -170,12 +172,24 @@ def save_checkpoint(accelerator, ckpt_dir: Path, step: int, history: list) -> Pa
 
 
 def train(cfg: TrainConfig) -> dict:
+    """Train (see :func:`_train`) holding ``output_dir``'s exclusive lock (main process): a second
+    run into the same directory is refused at once."""
+    cfg.check_paths()
+    held: list = []  # the lock, taken by _train's main process once accelerate knows which that is
+    try:
+        return _train(cfg, held)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, held: list) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     from infer.models import load_verifier
+    from train.datafile import DataError, check_data_source, headerless_message, lock_dir, scan_output
 
-    cfg.check_paths()
     out = Path(cfg.output_dir)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
@@ -187,20 +201,38 @@ def train(cfg: TrainConfig) -> dict:
     set_seed(cfg.seed)
     accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, device {accelerator.device}")
     t_start = time.time()
+    data_path = cfg.distilled_path
+    prompts = None
+    if accelerator.is_main_process:  # inputs checked before the verifier loads
+        try:
+            held.append(lock_dir(out))  # one run per output_dir: a second stops here
+            if cfg.prompts:
+                prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed, shuffle=cfg.shuffle_prompts)
+                scan = scan_output(data_path, repair=False)  # a damaged file, or one without a header: refused now
+                if scan.header is None and scan.records:
+                    raise DataError(headerless_message(data_path))
+            else:
+                check_data_source(data_path)  # parts of one verifier; a warning line for each without a header
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"cannot read prompts {cfg.prompts}: {e}") from None
     lv = load_verifier(cfg.verifier, device=accelerator.device)
     model = lv.model.eval()
     model.requires_grad_(False)
 
-    data_path = cfg.distilled_path
-    if cfg.prompts:
-        if accelerator.is_main_process:
-            try:
-                prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed, shuffle=cfg.shuffle_prompts)
-            except (OSError, ValueError, KeyError) as e:
-                raise ConfigError(f"cannot read prompts {cfg.prompts}: {e}") from None
-            distill(model, lv.tokenizer, prompts, data_path, max_new_tokens=cfg.distill_max_new_tokens,
-                    batch_size=cfg.distill_batch_size, temperature=cfg.distill_temperature, seed=cfg.seed)
-        accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        from heads import VerifierSpec
+
+        try:
+            if prompts is not None:  # appends to data_path: refused if another verifier or other settings made it
+                distill(model, lv.tokenizer, prompts, data_path, max_new_tokens=cfg.distill_max_new_tokens,
+                        batch_size=cfg.distill_batch_size, temperature=cfg.distill_temperature, seed=cfg.seed,
+                        verifier_name=cfg.verifier)
+            check_data_source(data_path, dataclasses.asdict(VerifierSpec.of(model, cfg.verifier)), warn=lambda m: None)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+    accelerator.wait_for_everyone()
     try:
         records = load_records(data_path, cfg.max_seq_len)
     except (OSError, ValueError) as e:
@@ -368,18 +400,27 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="only validate the config and its paths (exit 0, or 2 with the error)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     args = parser.parse_args(argv)
+    if os.environ.get("SPECHEADS_DIE_WITH_PARENT"):  # run by `specheads train`: end with it
+        from infer.procs import die_with_parent
+
+        die_with_parent()
     from infer.errors import UserError
+    from train.datafile import DataError, probe_dir_lock
 
     try:
         cfg = load_config(args.config, [*args.overrides, *(["resume=true"] if args.resume else [])])
         if args.check:
             cfg.check_paths()
+            probe_dir_lock(cfg.output_dir)  # another run into output_dir: refused before launching
             print(f"train_heads: config ok ({cfg.head_type} for {cfg.verifier}, output_dir {cfg.output_dir})")
             return 0
         train(cfg)
-    except (ConfigError, UserError) as e:
+    except (ConfigError, UserError, DataError) as e:
         print(f"train_heads: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("train_heads: interrupted: --resume continues from the last checkpoint", file=sys.stderr)
+        return 130
     return 0
 
 
