@@ -47,7 +47,7 @@ class OracleDrafter(Drafter):
     probability ``p_right``, else a token it is not, on a fixed tree shape ``parents`` (default:
     a chain of 4 drafts), pruned to the depth the engine allows. ``p_right=1``: the oracle, which
     accepts a whole root-to-leaf path each step (tau is the tree's depth + 1); ``p_right=0``:
-    always wrong. Used by the selfcheck and by the test suite."""
+    always wrong (the token after the right one, so siblings share it). Used by the selfcheck and by the test suite."""
 
     def __init__(self, ref: list[int], prompt_len: int, parents: list[int] | None = None, *, p_right: float = 1.0,
                  seed: int = 0, vocab: int = 256, device=None):
@@ -79,6 +79,9 @@ class OracleDrafter(Drafter):
         for i in list(keep)[1:]:
             d = self.depths[i]
             right = self.ref[g + d] if g + d < len(self.ref) else 0
+            if self.p_right <= 0:  # always wrong, the same way: siblings get the same token
+                tokens.append((right + 1) % self.vocab)
+                continue
             ok = self.p_right >= 1 or float(torch.rand((), generator=self.rng)) < self.p_right
             tokens.append(right if ok else (right + 1 + int(torch.randint(self.vocab - 1, (), generator=self.rng))) % self.vocab)
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), tree_)
