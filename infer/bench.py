@@ -22,8 +22,8 @@ import torch
 
 from .engine import generate
 from .errors import UserError
-from .prompts import BenchPrompt
 from .kernels import kernel_context
+from .prompts import BenchPrompt
 from .verifier import Verifier
 
 METHODS = ("vanilla", "hf-pld", "spec")
