@@ -89,8 +89,10 @@ def _same_version(installed: str, pinned: str) -> bool:
 def build(target: Path = DEFAULT_DIR, source_python: Path | None = None, log=print) -> Path:
     """Build (or reuse) the rehearsal environment in ``target``; returns its python."""
     source_python = Path(source_python or sys.executable)
-    pins_text = PINS.read_text()
-    stamp_text = hashlib.sha256((pins_text + str(source_python.resolve())).encode()).hexdigest()
+    source_site = _site_packages(source_python)
+    # rebuilt when the pins, the source environment or anything installed in it changes
+    listing = "\n".join(sorted(os.listdir(source_site)))
+    stamp_text = hashlib.sha256((PINS.read_text() + str(source_python.resolve()) + listing).encode()).hexdigest()
     python = target / "bin" / "python"
     stamp = target / ".rehearsal-stamp"
     if stamp.exists() and stamp.read_text() == stamp_text and python.exists():
@@ -101,7 +103,7 @@ def build(target: Path = DEFAULT_DIR, source_python: Path | None = None, log=pri
     base = subprocess.run([str(source_python), "-c", "import sys; print(getattr(sys, '_base_executable', sys.executable))"],
                           capture_output=True, text=True, check=True).stdout.strip()  # the interpreter behind the source venv
     subprocess.run([base, "-m", "venv", "--without-pip", str(target)], check=True)
-    site, source_site = _site_packages(python), _site_packages(source_python)
+    site = _site_packages(python)
     source = _distributions(source_site)
     pins = read_pins()
     missing = [f"{n}=={v}" for n, v in pins.items() if n not in source or not _same_version(source[n][0], v)]
