@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test lint bench clean gpu-check
+.PHONY: setup demo test lint bench clean gpu-check rehearsal
 
 setup: $(VENV)/.installed
 
@@ -30,16 +30,29 @@ lint: setup
 # the Spec-Bench table of BENCHMARKS.md: 10 prompts per category, 256 new tokens (30-60 min on 2 cores),
 # then the hand-written unseen prompts (chat, code completion, long-form writing; about 25 minutes)
 bench: setup
-	$(BIN)/specheads bench --verifier default --draft auto,default --prompts ../shared/data/spec_bench.jsonl \
+	$(BIN)/specheads bench --verifier default --draft auto,default --prompts configs/prompts/spec_bench.jsonl \
 		--limit 10 --max-new-tokens 256 --verify-cost --out results/bench-main.json --plot results/bench-main.png
 	$(BIN)/specheads bench --verifier default --draft auto,default --prompts configs/prompts/unseen.jsonl \
 		--max-new-tokens 256 --verify-cost --out results/bench-unseen.json --plot results/bench-unseen.png
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-rehearsal build *.egg-info .pytest_cache
 
-# On a machine with a CUDA GPU (no network needed): checks the engine there and measures it
-# (identity on every family in fp32/bf16, a random Llama-3.1-8B-shaped verifier in bf16, the CLI
-# end to end) into results/gpu-check/selfcheck.{json,png}; under 6 minutes on one H200.
+# The GPU image's versions on this CPU (configs/gpu-image.txt: transformers 5.17, accelerate 1.15;
+# datasets, gguf and specheads absent): builds .venv-rehearsal from .venv in seconds and runs the
+# selfcheck's CI-sized dry run there, offline, from the tree. `make test` runs it too
+# (tests/test_gpu_image.py).
+rehearsal: setup
+	$(BIN)/python tests/gpu_image.py --out results/rehearsal
+
+# On the GPU machine (its own Python and packages: nothing to install, no network; the tree is
+# the only thing carried): checks the engine there and measures it (identity on every family in
+# fp32/bf16, sampling with a CPU generator, a random Llama-3.1-8B-shaped verifier in bf16, the CLI
+# end to end) into $(GPU_OUT)/selfcheck.{json,png}, written after each part. Capped at
+# $(GPU_LIMIT) s (estimate: ~4 minutes on one H200); the CLI part's scratch files (a distilled set,
+# a trained head and its checkpoints) are deleted afterwards so that only the JSON and PNG come back.
+GPU_OUT   ?= results/gpu-check
+GPU_LIMIT ?= 300
 gpu-check:
-	python -m infer.cli selfcheck --device cuda --out results/gpu-check
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$(CURDIR)" timeout $(GPU_LIMIT) \
+		$(PYTHON) -m infer.cli selfcheck --device cuda --out "$(GPU_OUT)"; rc=$$?; rm -rf "$(GPU_OUT)/cli"; exit $$rc

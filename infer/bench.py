@@ -22,6 +22,7 @@ import torch
 
 from .engine import generate
 from .errors import UserError
+from .kernels import kernel_context
 from .prompts import BenchPrompt
 from .verifier import Verifier
 
@@ -83,7 +84,11 @@ def run_bench(
     takes the prompts already there and measures only the rest. A different fingerprint is refused.
 
     ``kernels``: ``{label: linear kernel}`` of the verifier each drafter's method runs on
-    (:mod:`infer.kernels`; default ``auto`` for all). HF's methods always run the stock model."""
+    (:mod:`infer.kernels`; default ``auto`` for all). HF's methods run the stock model; with
+    ``vanilla`` among the methods, every kernel other than stock that an engine method runs on
+    also gets a ``vanilla[<kernel>]`` row, HF ``generate`` on that kernel, and each speculative
+    method's ``speedup_same_kernel`` is its speed over HF's on its own kernel: ``speedup`` is what
+    users see against stock HF, ``speedup_same_kernel`` what speculation alone adds."""
     from tqdm.auto import tqdm
 
     from .text import encode_prompt, eos_ids
@@ -99,9 +104,10 @@ def run_bench(
     verifiers = {k: Verifier(model, linear=k) for k in {kernels.get(label, "auto") for label in drafters}}
     sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
 
-    def vanilla(ids):
+    def vanilla(ids, kernel="stock"):
         torch.manual_seed(seed)
-        return hf_generate(model, ids, max_new_tokens, eos, **sample), None
+        with kernel_context(kernel):
+            return hf_generate(model, ids, max_new_tokens, eos, **sample), None
 
     runners = {
         "vanilla": vanilla,
@@ -109,7 +115,16 @@ def run_bench(
     }
     expanded = []
     drafter_of = {}  # spec method -> its drafter, whose learnt state each row records
+    baseline_of = {}  # spec method -> the vanilla row on its own kernel
+    engine_kernels = sorted({verifiers[kernels.get(label, "auto")].kernel for label in drafters} - {"stock"}) \
+        if "spec" in methods else []
     for m in methods:
+        if m == "vanilla":
+            expanded.append(m)
+            for k in engine_kernels:  # HF generate on the engine's kernel: the fair baseline of speculation
+                runners[f"vanilla[{k}]"] = lambda ids, k=k: vanilla(ids, k)
+                expanded.append(f"vanilla[{k}]")
+            continue
         if m != "spec":
             expanded.append(m)
             continue
@@ -118,6 +133,7 @@ def run_bench(
             v = verifiers[kernels.get(label, "auto")]
             runners[name] = lambda ids, d=d, v=v: _spec(v, d, ids, max_new_tokens, eos, tree, temperature, seed)
             drafter_of[name] = d
+            baseline_of[name] = "vanilla" if v.kernel == "stock" else f"vanilla[{v.kernel}]"
             expanded.append(name)
     methods = tuple(expanded)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
@@ -150,7 +166,9 @@ def run_bench(
                 log.append(row)
     finally:
         counter.close()
-    return {"methods": summarize(rows, methods, compare=temperature == 0), "per_prompt": rows}
+    summary = summarize(rows, methods, compare=temperature == 0)
+    add_same_kernel_speedups(summary, baseline_of)
+    return {"methods": summary, "baselines": baseline_of, "per_prompt": rows}
 
 
 class PartialResults:
@@ -239,6 +257,18 @@ def add_efficiency(results: dict, verify_cost: dict) -> None:
                 agg["efficiency"] = agg["speedup"] / agg["ideal_speedup"]
 
 
+def add_same_kernel_speedups(summary: dict, baseline_of: dict[str, str]) -> None:
+    """Per speculative method (overall and per category): ``speedup_same_kernel``, its tokens/s
+    over those of HF ``generate`` on the same linear kernel (``baseline_of[method]``)."""
+    for m, base in baseline_of.items():
+        if m not in summary or base not in summary:
+            continue
+        pairs = [(summary[m]["overall"], summary[base]["overall"])]
+        pairs += [(v, summary[base]["categories"][c]) for c, v in summary[m]["categories"].items()]
+        for ours, theirs in pairs:
+            ours["speedup_same_kernel"] = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
+
+
 def summarize(rows: list[dict], methods, compare: bool = True) -> dict:
     """Per method: ``overall`` and ``categories``, each with tokens, seconds, tokens_per_s, tau,
     speedup (tokens/s over vanilla's) and, when ``compare``, identical (outputs equal to
@@ -270,13 +300,14 @@ def _agg(rows: list[dict], m: str, compare: bool = True) -> dict:
         "tokens": tokens,
         "seconds": round(seconds, 4),
         "tokens_per_s": tokens / seconds if seconds else 0.0,
-        # passes after the prefill: each generation's first pass is its prompt
-        "tau": tokens / max(1, passes - len(rows)),
+        # tokens per pass after the prefill: each generation's first pass is its prompt's, and
+        # its first new token that pass's (decoding with no draft: exactly 1.0)
+        "tau": (tokens - len(rows)) / max(1, passes - len(rows)),
     }
     if steps:  # the engine's own split of its time per verify step
         res["draft_ms_per_step"] = 1e3 * sum(r[m]["draft_s"] for r in rows) / steps
         res["verify_ms_per_step"] = 1e3 * sum(r[m]["verify_s"] for r in rows) / steps
-    if compare and m != "vanilla" and rows and "vanilla" in rows[0]:
+    if compare and m != "vanilla" and rows and "vanilla" in rows[0]:  # vanilla[kernel] too: the kernels round differently
         res["identical"] = sum(r[m]["tokens"] == r["vanilla"]["tokens"] for r in rows)
     return res
 

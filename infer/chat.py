@@ -14,7 +14,7 @@ import torch
 
 from .engine import stream
 from .errors import UserError
-from .text import eos_ids
+from .text import StreamDecoder, eos_ids
 
 HELP = "commands: /reset (new conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
 
@@ -46,7 +46,7 @@ class ChatSession:
         out = out or sys.stdout
         self.messages.append({"role": "user", "content": user_text})
         tokens: list[int] = []
-        printed = ""
+        pieces = StreamDecoder(self.tokenizer)
         stats = None
         stopped = False
         chunks = stream(self.verifier or self.model, self.drafter, self.encode(), tokenizer=self.tokenizer,
@@ -55,16 +55,13 @@ class ChatSession:
             for chunk in chunks:
                 tokens.extend(chunk.token_ids)
                 stats = chunk.stats
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):
-                    out.write(text[len(printed):])
-                    out.flush()
-                    printed = text
+                out.write(pieces.push(chunk.token_ids))
+                out.flush()
         except KeyboardInterrupt:
             stopped = True
             chunks.close()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        out.write(text[len(printed):] + ("  [stopped]" if stopped else "") + "\n")
+        out.write(pieces.flush() + ("  [stopped]" if stopped else "") + "\n")
         self.messages.append({"role": "assistant", "content": text})
         if stats is None:
             return "[no tokens]"

@@ -182,7 +182,7 @@ def bench_kernels(text: str) -> list[str]:
 
 def cmd_generate(args) -> int:
     from .engine import stream
-    from .text import encode_prompt, eos_ids
+    from .text import StreamDecoder, encode_prompt, eos_ids
 
     params = _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                      acceptance=args.acceptance)
@@ -197,28 +197,30 @@ def cmd_generate(args) -> int:
     chunks = stream(verifier, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
                     stop=args.stop, tokenizer=lv.tokenizer)
     if args.compare:  # warm both paths up so that the timings compare steady states
+        import torch
+
         from .bench import hf_generate
 
-        hf_generate(lv.model, ids, 4, eos_ids(lv.model, lv.tokenizer))
-        for _ in stream(verifier, drafter, ids, max_new_tokens=4):
+        with torch.random.fork_rng(devices=[lv.model.device] if lv.model.device.type == "cuda" else []):
+            hf_generate(lv.model, ids, 4, eos_ids(lv.model, lv.tokenizer), **_hf_like(args))
+        from dataclasses import replace
+
+        for _ in stream(verifier, drafter, ids, params=replace(params, max_new_tokens=4, seed=0)):
             pass
     tokens: list[int] = []
-    printed = ""
     stats = None
+    pieces = StreamDecoder(lv.tokenizer)
     for chunk in chunks:
         tokens.extend(chunk.token_ids)
         stats = chunk.stats
         if not args.json:
-            text = lv.tokenizer.decode(tokens, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(printed):])
-                sys.stdout.flush()
-                printed = text
-    text = lv.tokenizer.decode(tokens, skip_special_tokens=True)
+            sys.stdout.write(pieces.push(chunk.token_ids))
+            sys.stdout.flush()
     if args.json:
+        text = lv.tokenizer.decode(tokens, skip_special_tokens=True)
         print(json.dumps({"text": text, "token_ids": tokens, "stats": stats.as_dict()}))
     else:
-        sys.stdout.write(text[len(printed):] + "\n")
+        sys.stdout.write(pieces.flush() + "\n")
         print(
             f"[{stats.new_tokens} tokens, tau {stats.mean_accepted:.2f}, {stats.tokens_per_s:.1f} tokens/s, "
             f"{stats.verify_steps} verify steps, finish: {stats.finish_reason}]",
@@ -229,25 +231,42 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _hf_like(args) -> dict:
+    """HF ``generate`` arguments that decode as this run does: greedy, or sampling with the
+    same temperature / top-p / top-k (like with like: sampling is timed against sampling)."""
+    if args.temperature <= 0:
+        return {}
+    return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+
+
 def _compare(lv, ids, tokens, stats, args) -> None:
-    """Time HF ``generate`` (greedy) on the same prompt and print the speedup."""
+    """Time HF ``generate`` on the same prompt, decoding as this run did (greedy, or sampling
+    with the same settings, seeded with ``--seed`` inside a forked RNG), and print the speedup."""
     import time
+
+    import torch
 
     from .bench import hf_generate
     from .text import eos_ids
 
-    t0 = time.perf_counter()
-    plain = hf_generate(lv.model, ids, args.max_new_tokens, eos_ids(lv.model, lv.tokenizer))
-    plain_s = time.perf_counter() - t0
+    sampling = args.temperature > 0
+    devices = [lv.model.device] if lv.model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # HF samples with the global generators: leave them as they were
+        if sampling and args.seed is not None:
+            torch.manual_seed(args.seed)
+        t0 = time.perf_counter()
+        plain = hf_generate(lv.model, ids, args.max_new_tokens, eos_ids(lv.model, lv.tokenizer), **_hf_like(args))
+        plain_s = time.perf_counter() - t0
     spec_s = stats.prefill_s + stats.decode_s
     plain_tps, spec_tps = len(plain) / plain_s, len(tokens) / spec_s
-    same = "identical" if plain == tokens else ("differs (sampling)" if args.temperature > 0 else "DIFFERS")
-    report = {"plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
-              "tau": stats.mean_accepted, "output_vs_plain": same}
+    same = "identical" if plain == tokens else ("differs (sampling)" if sampling else "DIFFERS")
+    label = "plain sampling (HF generate, same settings)" if sampling else "plain greedy (HF generate)"
+    report = {"plain": "sampling" if sampling else "greedy", "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps,
+              "speedup": spec_tps / plain_tps, "tau": stats.mean_accepted, "output_vs_plain": same}
     if args.json:
         print(json.dumps({"compare": report}))
     else:
-        print(f"plain greedy (HF generate): {plain_tps:.1f} tokens/s | speculative: {spec_tps:.1f} tokens/s | "
+        print(f"{label}: {plain_tps:.1f} tokens/s | speculative: {spec_tps:.1f} tokens/s | "
               f"speedup {spec_tps / plain_tps:.2f}x | tau {stats.mean_accepted:.2f} | output {same}")
 
 
@@ -307,16 +326,18 @@ def cmd_bench(args) -> int:
 
 
 def format_table(results: dict) -> str:
-    """A plain-text table of the overall and per-category numbers."""
+    """A plain-text table of the overall and per-category numbers (``speedup``: over stock HF
+    ``generate``; ``same-k.``: over HF ``generate`` on the method's own linear kernel)."""
     width = max(10, *(len(m) for m in results["methods"]))
-    lines = [f"{'method':{width}} {'category':16} {'n':>4} {'tok/s':>8} {'tau':>6} {'speedup':>8} {'identical':>10} {'ideal':>7} {'effic.':>7}"]
+    lines = [f"{'method':{width}} {'category':16} {'n':>4} {'tok/s':>8} {'tau':>6} {'speedup':>8} {'same-k.':>8} {'identical':>10} {'ideal':>7} {'effic.':>7}"]
     for m, r in results["methods"].items():
         for cat, v in [("overall", r["overall"]), *r["categories"].items()]:
             ident = f"{v['identical']}/{v['n']}" if "identical" in v else ""
             sp = f"{v['speedup']:.2f}x" if v.get("speedup") else ""
+            same = f"{v['speedup_same_kernel']:.2f}x" if v.get("speedup_same_kernel") else ""
             ideal = f"{v['ideal_speedup']:.2f}x" if v.get("ideal_speedup") else ""
             eff = f"{v['efficiency']:.2f}" if v.get("efficiency") else ""
-            lines.append(f"{m:{width}} {cat:16} {v['n']:>4} {v['tokens_per_s']:8.1f} {v['tau']:6.2f} {sp:>8} {ident:>10} {ideal:>7} {eff:>7}")
+            lines.append(f"{m:{width}} {cat:16} {v['n']:>4} {v['tokens_per_s']:8.1f} {v['tau']:6.2f} {sp:>8} {same:>8} {ident:>10} {ideal:>7} {eff:>7}")
     return "\n".join(lines)
 
 
@@ -521,6 +542,10 @@ def main(argv=None) -> int:
     commands = {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost, "chat": cmd_chat, "train": cmd_train,
                 "push": cmd_push, "export": cmd_export, "selfcheck": cmd_selfcheck}
     try:
+        if hasattr(args, "linear"):  # a CPU kernel for a GPU run: refused before anything else
+            from .kernels import check_kernel_device
+
+            check_kernel_device(args.linear, args.device)
         return commands[args.command](args)
     except UserError as e:
         print(f"specheads: error: {e}", file=sys.stderr)

@@ -54,11 +54,17 @@ class VerifyCost:
         nodes = sorted(rel)
         if secs and secs[nodes[0]] < min_token_seconds:
             return None
-        values, top = [], 0.0
-        for n in nodes:
-            top = max(top, rel[n])
-            values.append(top)
-        return cls(tuple(nodes), tuple(values))
+        return cls(tuple(nodes), tuple(nondecreasing([rel[n] for n in nodes])))
+
+
+def nondecreasing(values) -> list[float]:
+    """The running maximum of ``values``: a cost curve's monotone envelope (a bigger tree never
+    costs less; a dip is timing noise)."""
+    out, top = [], 0.0
+    for v in values:
+        top = max(top, float(v))
+        out.append(top)
+    return out
 
 
 @lru_cache(maxsize=64)
@@ -113,10 +119,7 @@ class OnlineCost:
             if not any(abs(n - m) <= 0.25 * n for m in points):
                 points[float(n)] = scale * self.prior(n)
         xs = sorted(points)
-        values, top = [], 0.0
-        for x in xs:
-            top = max(top, points[x])
-            values.append(top)
+        values = nondecreasing([points[x] for x in xs])
         one = values[0] if xs[0] <= 1 else scale * self.prior(1)
         xs, values = [1.0] + [x for x in xs if x > 1], [one] + [v for x, v in zip(xs, values) if x > 1]
         self._seconds_1 = one

@@ -90,7 +90,7 @@ class NoDrafter(Drafter):
         return root_only(root)
 
 
-def _budget(spec: TreeSpec) -> tuple[int, int, int]:
+def _trie_limits(spec: TreeSpec) -> tuple[int, int, int]:
     """(depth, num_nodes, branches) of a tree spec, for drafters that build their own trees."""
     if isinstance(spec, DynamicTreeSpec):
         return spec.depth, spec.num_nodes, spec.top_k
@@ -196,7 +196,7 @@ class PromptLookupDrafter(Drafter):
         return found
 
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
-        depth, budget, branches = _budget(tree or self.tree)
+        depth, budget, branches = _trie_limits(tree or self.tree)
         depth = min(depth, max_depth)
         if depth <= 0:
             return root_only(root)
@@ -226,7 +226,7 @@ class PromptLookupDrafter(Drafter):
                     parents.append(node)
                 node = child
         tree_ = build_tree(parents)
-        self._last = (n, tree_.depth, trie)
+        self._last = (n, tree_.max_depth, trie)
         return Draft(torch.tensor(tokens, dtype=torch.long), tree_)
 
 
@@ -259,8 +259,10 @@ class UnionDrafter(Drafter):
     """Several drafters at once (e.g. a trained head and prompt lookup): each step verifies the
     union of their trees, so each one's strength counts (the head for fresh text, prompt lookup
     for text copied from the context). Their drafts are deterministic, so the union is exact
-    when sampling too; a member that reports a ``q`` (drawn children) drafts alone then, as exact
-    tree rejection sampling needs one proposal distribution per node."""
+    when sampling too. A member that reports a ``q`` (children drawn from it) cannot join a
+    union, as exact tree rejection sampling needs one proposal distribution per node: when the
+    first member reports one, its draft is verified alone; when a later one does, its draft is
+    left out. Either is said once per union, with a ``UserWarning`` naming the member."""
 
     def __init__(self, drafters: list[Drafter]):
         if len(drafters) < 2:
@@ -272,6 +274,20 @@ class UnionDrafter(Drafter):
         for d in drafters:
             layers += [x for x in d.feature_layers if x not in layers]
         self.feature_layers = tuple(layers)
+        self._warned: set[int] = set()
+
+    def _warn_q(self, i: int, alone: bool) -> None:
+        if i in self._warned:
+            return
+        self._warned.add(i)
+        import warnings
+
+        name = type(self.drafters[i]).__name__
+        what = ("its draft is verified alone, without the other members'" if alone
+                else "its draft is left out of the union")
+        warnings.warn(f"union drafter: member {i} ({name}) drew its draft from a distribution q, which a union cannot "
+                      f"verify exactly: {what} (give it deterministic drafts, e.g. top-k children, to combine it)",
+                      UserWarning, stacklevel=3)
 
     def _features_for(self, d: Drafter, features):
         if features is None or not d.feature_layers:
@@ -293,8 +309,12 @@ class UnionDrafter(Drafter):
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
         first = self.drafters[0].propose(root, tree=tree, max_depth=max_depth, generator=generator)
         if first.q is not None:
+            self._warn_q(0, alone=True)
             return first
         drafts = [first] + [d.propose(root, tree=None, max_depth=max_depth, generator=generator) for d in self.drafters[1:]]
+        for i, d in enumerate(drafts):
+            if d.q is not None:
+                self._warn_q(i, alone=False)
         drafts = [d for d in drafts if d.q is None and d.tree.num_nodes > 1]
         if len(drafts) <= 1:  # nothing to merge: no device read
             return (drafts[0] if drafts else first).to(first.tokens.device)

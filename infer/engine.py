@@ -27,8 +27,10 @@ from .verifier import Verifier
 class GenerationStats:
     """Counters of one generation.
 
-    ``mean_accepted`` is tau: new tokens per verifier pass after the prefill (the bonus token
-    counts). ``accepted_hist[k]`` counts the verify steps that emitted ``k`` tokens.
+    ``mean_accepted`` is tau: the tokens the verify passes emitted per verify pass (the bonus token
+    counts; the first new token comes from the prefill and is not a verify pass's, so decoding
+    with no draft has tau 1.0 exactly). ``accepted_hist[k]`` counts the verify steps that emitted
+    ``k`` tokens.
     """
 
     new_tokens: int = 0
@@ -48,7 +50,8 @@ class GenerationStats:
         return asdict(self)
 
     def _finish(self) -> None:
-        self.mean_accepted = self.new_tokens / max(1, self.verify_steps)
+        # the prefill emits the first new token; every later one came from a verify pass
+        self.mean_accepted = max(0, self.new_tokens - 1) / max(1, self.verify_steps)
         total = self.prefill_s + self.decode_s
         self.tokens_per_s = self.new_tokens / total if total > 0 else 0.0
 
@@ -155,7 +158,10 @@ def stream(
         input_ids: ``[L]`` or ``[1, L]`` integer prompt token ids (one prompt).
         max_new_tokens: exact upper bound on new tokens.
         temperature: 0 = greedy; otherwise sample with ``top_p`` / ``top_k`` as HF does.
-        seed / generator: randomness for sampling.
+        seed / generator: randomness for sampling. A ``generator`` on another device than the
+            verifier's (a CPU generator with a CUDA verifier) seeds one on the verifier's device
+            with a number drawn from it; without either, a fresh local generator is seeded from
+            the OS (the global torch generators are never reseeded).
         params: all of ``max_new_tokens`` .. ``seed`` and ``acceptance`` as one
             :class:`~infer.params.SamplingParams` (then those arguments are ignored).
         tree: overrides the drafter's tree shape.
@@ -179,10 +185,36 @@ def stream(
     verifier.check_fits(ids.numel() + max_new_tokens)
     stopper = _Stopper(max_new_tokens, eos_token_id, stop, tokenizer)
     greedy = params.greedy
-    if generator is None and not greedy:
-        generator = torch.Generator(device=verifier.device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+    if not greedy:
+        generator = sampling_generator(verifier.device, seed, generator)
     return _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, generator, tree, acceptance)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":  # "cuda" is the current CUDA device
+        cur = torch.cuda.current_device()
+        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+    return a.index == b.index or a.index is None or b.index is None
+
+
+def sampling_generator(device, seed: int | None, generator: torch.Generator | None) -> torch.Generator:
+    """The generator the engine samples with, on ``device`` (the verifier's): ``generator`` when
+    it is there already; else a fresh one on ``device``, seeded with ``seed``, or with a number
+    drawn from ``generator`` (e.g. a CPU generator given for a CUDA verifier: the same
+    generator state gives the same output), or from the OS (no global generator is touched)."""
+    if generator is not None:
+        if _same_device(generator.device, device):
+            return generator
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+    local = torch.Generator(device=device)
+    if seed is None:
+        local.seed()  # non-deterministic, and local: torch.seed() would reseed the global generators
+    else:
+        local.manual_seed(seed)
+    return local
 
 
 def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, generator, tree, acceptance):

@@ -100,6 +100,15 @@ def choose_kernel(measured: dict, margin: float = 0.9) -> str:
     return "onednn" if measured["onednn"] < margin * measured["stock"] else "stock"
 
 
+def check_kernel_device(choice: str, device) -> None:
+    """A :class:`UserError` for ``onednn`` (a CPU kernel) on any device but a CPU: it would wrap
+    every GPU operation of the verifier in a Python mode for nothing. ``device``: a string
+    (``cpu``, ``cuda:0``) or a ``torch.device``; ``choice`` may be a comma-separated list."""
+    kinds = {k.strip() for k in str(choice).split(",")}
+    if "onednn" in kinds and str(device).split(":")[0].strip() != "cpu":
+        raise UserError(f"--linear onednn is a CPU kernel: it cannot run the verifier on {device}; use --linear auto or stock there")
+
+
 def linear_kernel(model, choice: str = "auto") -> str:
     """The kernel the verifier's float32 CPU linears run on: ``stock`` or ``onednn``.
 
@@ -112,6 +121,7 @@ def linear_kernel(model, choice: str = "auto") -> str:
     if choice == "stock":
         return "stock"
     if choice == "onednn":
+        check_kernel_device(choice, model.get_output_embeddings().weight.device)
         if not onednn_available():
             raise UserError("this PyTorch build has no oneDNN float32 linear: use --linear stock or auto")
         return "onednn"

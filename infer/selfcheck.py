@@ -43,14 +43,16 @@ from .tree import build_tree
 
 class OracleDrafter(Drafter):
     """Drafts from a known continuation ``ref`` of the prompt (the verifier's own greedy output):
-    every node at depth ``d`` gets ``ref[g + d]`` with probability ``p_right`` (else a token it
-    is not), on a fixed tree shape ``parents``. ``p_right=1`` accepts a whole root-to-leaf path
-    each step: tau is the tree's depth + 1."""
+    every node at depth ``d`` gets ``ref[g + d]`` (``g``: the root's index in ``ref``) with
+    probability ``p_right``, else a token it is not, on a fixed tree shape ``parents`` (default:
+    a chain of 4 drafts), pruned to the depth the engine allows. ``p_right=1``: the oracle, which
+    accepts a whole root-to-leaf path each step (tau is the tree's depth + 1); ``p_right=0``:
+    always wrong (the token after the right one, so siblings share it). Used by the selfcheck and by the test suite."""
 
-    def __init__(self, ref: list[int], prompt_len: int, parents: list[int], *, p_right: float = 1.0, seed: int = 0,
-                 vocab: int = 256, device=None):
+    def __init__(self, ref: list[int], prompt_len: int, parents: list[int] | None = None, *, p_right: float = 1.0,
+                 seed: int = 0, vocab: int = 256, device=None):
         self.ref, self.prompt_len, self.p_right, self.vocab = ref, prompt_len, p_right, vocab
-        self.shape = build_tree(parents)
+        self.shape = build_tree(parents if parents is not None else _chain(4))
         self.depths = self.shape.depths.tolist()
         self.device = device
         self.tree_on_device = self.shape.to(device) if device is not None else self.shape
@@ -77,6 +79,9 @@ class OracleDrafter(Drafter):
         for i in list(keep)[1:]:
             d = self.depths[i]
             right = self.ref[g + d] if g + d < len(self.ref) else 0
+            if self.p_right <= 0:  # always wrong, the same way: siblings get the same token
+                tokens.append((right + 1) % self.vocab)
+                continue
             ok = self.p_right >= 1 or float(torch.rand((), generator=self.rng)) < self.p_right
             tokens.append(right if ok else (right + 1 + int(torch.randint(self.vocab - 1, (), generator=self.rng))) % self.vocab)
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), tree_)
@@ -157,12 +162,29 @@ def part_identity(device: torch.device, small: bool) -> dict:
                 for name, d in drafters.items():
                     ok[name] += int(generate(model, d, ids, max_new_tokens=n_new).token_ids == ref)
             out[f"{arch}/{str(dtype).removeprefix('torch.')}"] = ok
+    out["cpu_generator_sampling"] = _cpu_generator_sampling(device)
     fp32 = [v for k, v in out.items() if k.endswith("float32")]
     out["fp32_all_identical"] = all(v[m] == v["n"] for v in fp32 for m in ("oracle", "half", "pld", "eagle3"))
     bf16 = [v for k, v in out.items() if k.endswith("bfloat16")]
     total = sum(v["n"] * 4 for v in bf16)
     out["bf16_identical_share"] = sum(v[m] for v in bf16 for m in ("oracle", "half", "pld", "eagle3")) / total
     return out
+
+
+def _cpu_generator_sampling(device: torch.device) -> bool:
+    """Sampling with a user's CPU ``generator=`` on ``device`` (on CUDA this once crashed): two
+    runs from equal generator states give the same tokens, and unseeded sampling leaves the
+    global generator as it was."""
+    from .engine import generate
+    from .models import tiny_random_model
+
+    model = tiny_random_model("llama", vocab_size=256, seed=1).to(device)
+    ids = torch.arange(1, 17) % 7
+    runs = [generate(model, PromptLookupDrafter(), ids, max_new_tokens=12, temperature=1.0,
+                     generator=torch.Generator().manual_seed(3)).token_ids for _ in range(2)]
+    state = torch.get_rng_state()
+    generate(model, None, ids, max_new_tokens=4, temperature=1.0)
+    return runs[0] == runs[1] and len(runs[0]) == 12 and torch.equal(state, torch.get_rng_state())
 
 
 def part_speed(device: torch.device, small: bool, record) -> dict:

@@ -21,7 +21,7 @@ from .errors import UserError
 from .loading import load_drafter
 from .models import load_verifier
 from .params import SamplingParams
-from .text import encode_prompt, eos_ids
+from .text import StreamDecoder, encode_prompt, eos_ids
 from .tree import TreeSpec, load_tree_spec
 from .verifier import Verifier
 
@@ -47,18 +47,24 @@ class Speculator:
     """Speculative generation with a loaded verifier and drafter. Greedy output is the verifier's
     own greedy output; sampled output follows its sampling distribution."""
 
-    def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = ""):
+    def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = "", linear: str = "auto"):
         self.model, self.tokenizer, self.drafter, self.name = model, tokenizer, drafter, name
-        self._verifier = Verifier(model)
+        self._verifier = Verifier(model, linear=linear)
 
     @classmethod
     def from_pretrained(cls, verifier: str = "default", *, draft: str = "auto", dtype: str | torch.dtype = "auto",
-                        device: str = "cpu", tree: str | TreeSpec | None = None, tree_budget: str = "auto") -> Speculator:
+                        device: str = "cpu", tree: str | TreeSpec | None = None, tree_budget: str = "auto",
+                        draft_dtype: str | torch.dtype = "auto", linear: str = "auto") -> Speculator:
         """Load ``verifier`` (what ``--verifier`` accepts) and the drafter ``draft`` (what
-        ``--draft`` accepts: ``auto``, ``pld``, ``none``, a head checkpoint, ``a+b``)."""
+        ``--draft`` accepts: ``auto``, ``pld``, ``none``, a head checkpoint, ``a+b``).
+        ``draft_dtype`` and ``linear`` are ``--draft-dtype`` and ``--linear``."""
+        from .kernels import check_kernel_device
+
         spec = load_tree_spec(tree) if isinstance(tree, str) else tree
+        check_kernel_device(linear, device)  # before loading anything
         lv = load_verifier(verifier, dtype=dtype, device=device)
-        return cls(lv.model, lv.tokenizer, load_drafter(draft, lv.model, tree=spec, budget=tree_budget), name=verifier)
+        drafter = load_drafter(draft, lv.model, tree=spec, budget=tree_budget, draft_dtype=draft_dtype, linear=linear)
+        return cls(lv.model, lv.tokenizer, drafter, name=verifier, linear=linear)
 
     def _ids(self, prompt, chat: bool | None) -> torch.Tensor:
         if isinstance(prompt, str):
@@ -75,16 +81,12 @@ class Speculator:
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed)
         ids = self._ids(prompt, chat)
         eos = eos_ids(self.model, self.tokenizer) if self.tokenizer is not None else None
-        tokens: list[int] = []
-        printed = ""
+        pieces = StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
         for chunk in stream(self._verifier, self.drafter, ids, params=params, eos_token_id=eos, stop=stop,
                             tokenizer=self.tokenizer):
-            tokens.extend(chunk.token_ids)
-            piece = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):
-                    piece, printed = text[len(printed):], text
+            piece = pieces.push(chunk.token_ids) if pieces is not None else ""
+            if pieces is not None and chunk.stats.finish_reason:  # the last chunk: whatever is left
+                piece += pieces.flush()
             yield TextChunk(chunk.token_ids, piece, chunk.stats)
 
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, **kwargs) -> SpeculatorResult:

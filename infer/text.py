@@ -38,6 +38,42 @@ def eos_ids(model, tokenizer) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+class StreamDecoder:
+    """Incremental detokenization for streaming: :meth:`push` takes each step's new token ids
+    and returns the text they complete, decoding only a short window (the previous piece's
+    tokens and the new ones), never the whole output again. A character split across tokens
+    (a multi-byte UTF-8 sequence) waits for the token that completes it; :meth:`flush` returns
+    what is left at the end. The pieces joined are the full text as ``tokenizer.decode`` writes
+    it (special tokens skipped), also where a tokenizer's decoding of a token depends on the
+    one before (a leading space), because every window starts one piece back."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # the window starts here: the first token of the last piece
+        self._read = 0  # tokens up to here have been returned as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, token_ids) -> str:
+        """Append ``token_ids``; the new complete text (possibly empty)."""
+        self.ids.extend(int(t) for t in token_ids)
+        before = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(before):]
+
+    def flush(self) -> str:
+        """The text of the tokens not returned yet (an incomplete character as U+FFFD)."""
+        before = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return text[len(before):] if text.startswith(before) else text
+
+
 @dataclass
 class TextResult:
     text: str

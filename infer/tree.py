@@ -49,10 +49,6 @@ class Tree:
         return int(self.parents.shape[0])
 
     @property
-    def depth(self) -> int:
-        return self.max_depth
-
-    @property
     def device(self) -> torch.device:
         return self.parents.device
 
@@ -110,11 +106,6 @@ def build_tree(parents: Sequence[int] | torch.Tensor, device=None) -> Tree:
         anc[i, i] = True
     tree = Tree(torch.tensor(par, dtype=torch.long), torch.tensor(depths, dtype=torch.long), anc, max(depths), max(kids))
     return tree.to(device) if device is not None else tree
-
-
-def chain_parents(n: int) -> list[int]:
-    """Parent vector of a chain of ``n`` nodes (root included)."""
-    return [-1] + list(range(n - 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,14 +304,6 @@ def _deeper_can_pay(cand_keys: torch.Tensor, frontier_best: torch.Tensor, num_no
     bound = expected[nb] + extra - base
     later = torch.arange(limit, device=top.device) >= nb
     return displaces | (later & (bound / table[2 : limit + 2] > rates[nb])).any()
-
-
-def deeper_nodes_can_pay(path_logprobs: Sequence[float], frontier_best: float, num_nodes: int,
-                         cost: Callable[[int], float] | None) -> bool:
-    """Host form of the pruning rule of :func:`grow_dynamic_tree` (see ``_deeper_can_pay``)."""
-    keys = torch.tensor(list(path_logprobs), dtype=torch.float32)
-    table = cost_table(cost, num_nodes + 1) if cost is not None else None
-    return bool(_deeper_can_pay(keys, torch.tensor(float(frontier_best)), num_nodes, table))
 
 
 def grow_dynamic_tree(

@@ -5,10 +5,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, ReferenceDrafter, hf_greedy
+from conftest import VOCAB, hf_greedy
 from infer import PromptLookupDrafter, generate, stream
 from infer.errors import UserError
 from infer.models import load_verifier, tiny_random_model
+from infer.selfcheck import OracleDrafter
 
 N_NEW = 40
 
@@ -20,7 +21,7 @@ def _prompt(seed=0, n=12):
 def test_oracle_drafter_accepts_everything(tiny_model):
     ids = _prompt()
     ref = hf_greedy(tiny_model, ids, N_NEW)
-    res = generate(tiny_model, ReferenceDrafter(ref, ids.numel(), p_right=1.0), ids, max_new_tokens=N_NEW)
+    res = generate(tiny_model, OracleDrafter(ref, ids.numel(), p_right=1.0), ids, max_new_tokens=N_NEW)
     assert res.token_ids == ref
     # chain of 4 drafts: every step emits 5 tokens, the last step is capped by max_new_tokens
     assert res.stats.accepted_hist[5] == res.stats.verify_steps - 1
@@ -30,7 +31,7 @@ def test_oracle_drafter_accepts_everything(tiny_model):
 def test_wrong_drafter_accepts_nothing(tiny_model):
     ids = _prompt(1)
     ref = hf_greedy(tiny_model, ids, N_NEW)
-    wrong = ReferenceDrafter(ref, ids.numel(), parents=[-1, 0, 0, 1, 2, 3], p_right=0.0)
+    wrong = OracleDrafter(ref, ids.numel(), parents=[-1, 0, 0, 1, 2, 3], p_right=0.0)
     res = generate(tiny_model, wrong, ids, max_new_tokens=N_NEW)
     assert res.token_ids == ref
     assert res.stats.accepted_hist == [0, N_NEW - 1]
@@ -50,7 +51,7 @@ def test_random_drafter_random_trees(tiny_model, case):
     parents, p_right, seed = case
     ids = _prompt(seed % 7)
     ref = hf_greedy(tiny_model, ids, 24)
-    res = generate(tiny_model, ReferenceDrafter(ref, ids.numel(), parents, p_right, seed), ids, max_new_tokens=24)
+    res = generate(tiny_model, OracleDrafter(ref, ids.numel(), parents, p_right=p_right, seed=seed), ids, max_new_tokens=24)
     assert res.token_ids == ref
     assert res.stats.new_tokens == 24
 
@@ -73,7 +74,7 @@ def test_eos_inside_accepted_path_stops_where_plain_decoding_does(llama):
     eos = next(t for t in full[3:] if t not in full[:3])  # a token first produced after index 3
     ref = hf_greedy(llama, ids, N_NEW, eos=eos)
     assert ref[-1] == eos and len(ref) < N_NEW
-    res = generate(llama, ReferenceDrafter(full, ids.numel(), p_right=1.0), ids, max_new_tokens=N_NEW, eos_token_id=eos)
+    res = generate(llama, OracleDrafter(full, ids.numel(), p_right=1.0), ids, max_new_tokens=N_NEW, eos_token_id=eos)
     assert res.token_ids == ref
     assert res.stats.finish_reason == "eos"
 
@@ -82,7 +83,7 @@ def test_eos_inside_accepted_path_stops_where_plain_decoding_does(llama):
 def test_max_new_tokens_is_exact(llama, n):
     ids = _prompt(5)
     ref = hf_greedy(llama, ids, n)
-    res = generate(llama, ReferenceDrafter(ref + [0] * 10, ids.numel(), p_right=1.0), ids, max_new_tokens=n)
+    res = generate(llama, OracleDrafter(ref + [0] * 10, ids.numel(), p_right=1.0), ids, max_new_tokens=n)
     assert res.token_ids == ref and res.stats.finish_reason == "length"
     assert res.stats.verify_steps == (0 if n == 1 else -(-(n - 1) // 5))
 
@@ -105,7 +106,7 @@ def test_stop_strings_end_at_the_completing_token():
 def test_stream_yields_the_same_tokens_in_chunks(llama):
     ids = _prompt(6)
     ref = hf_greedy(llama, ids, 20)
-    chunks = list(stream(llama, ReferenceDrafter(ref, ids.numel(), p_right=1.0), ids, max_new_tokens=20))
+    chunks = list(stream(llama, OracleDrafter(ref, ids.numel(), p_right=1.0), ids, max_new_tokens=20))
     assert [t for c in chunks for t in c.token_ids] == ref
     assert len(chunks) == 1 + chunks[-1].stats.verify_steps and max(len(c.token_ids) for c in chunks) == 5
 
@@ -155,8 +156,8 @@ def test_union_of_drafters_is_lossless_and_keeps_the_best(llama, order):
 
     ids = _prompt(3)
     ref = hf_greedy(llama, ids, N_NEW)
-    oracle = ReferenceDrafter(ref, ids.numel(), p_right=1.0)
-    wrong = ReferenceDrafter(ref, ids.numel(), parents=[-1, 0, 0, 1], p_right=0.0)
+    oracle = OracleDrafter(ref, ids.numel(), p_right=1.0)
+    wrong = OracleDrafter(ref, ids.numel(), parents=[-1, 0, 0, 1], p_right=0.0)
     parts = [wrong, oracle] if order == "wrong-first" else [oracle, wrong]
     res = generate(llama, UnionDrafter(parts), ids, max_new_tokens=N_NEW)
     assert res.token_ids == ref
@@ -170,7 +171,7 @@ def test_union_merges_deterministic_drafts_when_sampling(llama):
 
     ids = _prompt(4)
     ref = hf_greedy(llama, ids, N_NEW)
-    wrong = ReferenceDrafter(ref, ids.numel(), parents=[-1, 0, 1, 2, 3, 4], p_right=0.0)
+    wrong = OracleDrafter(ref, ids.numel(), parents=[-1, 0, 1, 2, 3, 4], p_right=0.0)
     union = UnionDrafter([PromptLookupDrafter(), wrong])
     res = generate(llama, union, ids, max_new_tokens=12, temperature=1.0, seed=0)
     assert len(res.token_ids) == 12

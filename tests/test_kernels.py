@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import VOCAB, ReferenceDrafter, hf_greedy
+from conftest import VOCAB, hf_greedy
 from infer import generate, kernels
 from infer.cli import bench_kernels
 from infer.errors import UserError
 from infer.models import tiny_random_model
+from infer.selfcheck import OracleDrafter
 from infer.tree import build_tree
 from infer.verifier import Verifier
 
@@ -65,7 +66,7 @@ def test_tree_logits_on_onednn_equal_stock_sequential_logits(tiny_model):
 def test_speculative_greedy_on_onednn_equals_vanilla_greedy(tiny_model, p_right):
     prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(11))
     ref = hf_greedy(tiny_model, prompt, 40)
-    drafter = ReferenceDrafter(ref, 7, [-1, 0, 1, 0, 3, 1], p_right=p_right, seed=2)
+    drafter = OracleDrafter(ref, 7, [-1, 0, 1, 0, 3, 1], p_right=p_right, seed=2)
     res = generate(Verifier(tiny_model, linear="onednn"), drafter, prompt, max_new_tokens=40)
     assert res.token_ids == ref
     if p_right == 1.0:

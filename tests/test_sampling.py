@@ -232,3 +232,61 @@ def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model)
         sizes.update(n for n, k in enumerate(res.stats.nodes_hist) if k)
     assert len(sizes) > 1  # the budget varied from step to step
     assert chi_square_pvalue(counts, probs) > 1e-3
+
+
+# --- depth 3: the union of a head and prompt lookup, pruning, the gate, an observed cost curve --
+
+N_DEEP = 8_000
+
+
+def exact_joint_n(model, n: int, temperature: float = 1.0) -> torch.Tensor:
+    """P(t1 .. tn) under plain sampling, ``[V] * n``: every prefix of ``n - 1`` tokens in one batch."""
+    prefixes = torch.cartesian_prod(*[torch.arange(V)] * (n - 1)).view(-1, n - 1)  # [V**(n-1), n-1]
+    seqs = torch.cat([PROMPT.expand(len(prefixes), -1), prefixes], dim=1)
+    with torch.no_grad():
+        p = warp_probs(model(seqs).logits[:, PROMPT.numel() - 1:], temperature, 0, 1.0)  # [V**(n-1), n, V]
+    joint = p[0, 0]
+    for k in range(1, n):  # p(t_{k+1} | t_1..t_k) is the same for every continuation of that prefix
+        cond = p[:, k].reshape(*[V] * (n - 1), V)[(slice(None),) * k + (0,) * (n - 1 - k)]  # [V] * (k + 1)
+        joint = joint[..., None] * cond
+    return joint
+
+
+@pytest.mark.slow
+def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model):
+    """``auto``'s union (an EAGLE-3 head and prompt lookup) with depth-3 dynamic trees, pruning,
+    the gate and an :class:`~infer.cost.OnlineCost` that the engine feeds every verify step (its
+    clock replaced by a fixed function of the node count, so that the machine's load cannot
+    change which trees are drafted), 8,000 five-token samples against the exact joint of five
+    tokens: the second step may verify three drafted levels."""
+    from heads import HeadConfig, VerifierSpec, build_head
+    from infer.cost import OnlineCost, VerifyCost
+    from infer.drafters import PromptLookupDrafter, UnionDrafter
+    from infer.head_drafters import EagleDrafter
+
+    curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.05, 1.15, 1.4, 2.0))
+
+    class ClockedCost(OnlineCost):
+        def observe(self, nodes, seconds):  # one token "takes" 1 s: drafting time is small beside it
+            super().observe(nodes, curve(nodes))
+
+    m = small_vocab_model
+    cfg = HeadConfig("eagle3", VerifierSpec.of(m), draft_vocab_size=V, aux_layers=(0, 1, 2), layer_config=m.config.to_dict())
+    torch.manual_seed(5)
+    head = build_head(cfg)
+    cost = ClockedCost(curve)
+    eagle = EagleDrafter(head, m, DynamicTreeSpec(depth=3, top_k=3, num_nodes=10), cost=cost)
+    drafter = UnionDrafter([eagle, PromptLookupDrafter(cost=cost)])
+    probs = exact_joint_n(m, 5)
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
+    counts = torch.zeros_like(probs)
+    paused, deepest, learnt = 0, 0, False
+    for seed in range(N_DEEP):
+        res = generate(m, drafter, PROMPT, max_new_tokens=5, temperature=1.0, seed=seed)
+        counts[tuple(res.token_ids)] += 1
+        paused += eagle.gate.paused
+        deepest = max(deepest, len(res.stats.nodes_hist) - 1)
+        learnt |= cost.seconds_per_token is not None
+    assert learnt and paused > 0  # the observed curve took over, and the gate paused the head at times
+    assert deepest >= 4  # trees beyond one level were verified (root + 3 nodes at least)
+    assert chi_square_pvalue(counts, probs) > 1e-3

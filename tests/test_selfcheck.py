@@ -10,6 +10,7 @@ def test_selfcheck_small_runs_every_part_and_writes_json_and_png(tmp_path, capsy
     assert main(["selfcheck", "--device", "cpu", "--small", "--out", str(out)]) == 0, capsys.readouterr().err
     r = json.loads((out / "selfcheck.json").read_text())
     assert (out / "selfcheck.png").stat().st_size > 1000
+    assert r["identity"]["cpu_generator_sampling"] is True
     assert r["identity"]["fp32_all_identical"] is True and 0 <= r["identity"]["bf16_identical_share"] <= 1
     engine = r["speed"]["engine"]
     assert all(engine[k]["identical"] for k in engine), engine

@@ -133,7 +133,7 @@ def test_dynamic_tree_always_a_valid_tree(depth, k, n, seed):
     expand, _ = _fake_expand(seed=seed)
     t = grow_dynamic_tree(expand, 0, DynamicTreeSpec(depth, k, n))
     tree = build_tree(t.parents)  # raises if not topological
-    assert tree.num_nodes <= n and tree.depth <= depth
+    assert tree.num_nodes <= n and tree.max_depth <= depth
 
 
 def test_auto_budget_follows_the_verify_cost():

@@ -6,10 +6,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from conftest import VOCAB, ReferenceDrafter, hf_greedy
+from conftest import VOCAB, hf_greedy
 from infer import generate
 from infer.errors import UserError
 from infer.models import tiny_random_model
+from infer.selfcheck import OracleDrafter
 from infer.tree import build_tree
 from infer.verifier import Verifier
 
@@ -47,7 +48,7 @@ def test_cache_after_many_steps_equals_plain_forward(tiny_model):
     ref = hf_greedy(tiny_model, prompt, 48)
     parents = [-1, 0, 1, 2, 0, 4, 1, 6, 0]
     v = Verifier(tiny_model)
-    res = generate(v, ReferenceDrafter(ref, 9, parents, p_right=0.6, seed=1), prompt, max_new_tokens=48)
+    res = generate(v, OracleDrafter(ref, 9, parents, p_right=0.6, seed=1), prompt, max_new_tokens=48)
     assert res.token_ids == ref
     assert res.stats.verify_steps > 8 and max(i for i, c in enumerate(res.stats.accepted_hist) if c) > 1
     committed = torch.cat([prompt, torch.tensor(ref[:-1])])  # the last token never entered the cache
