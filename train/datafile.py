@@ -26,7 +26,6 @@ import lzma
 import os
 import stat
 import sys
-import tempfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -289,9 +288,10 @@ def write_header(path: str | Path, header: dict) -> Path:
     if writers:
         raise DataError(f"{path} is open in process {', '.join(map(str, writers))}: stop it first (its later lines would "
                         f"go to the replaced file), then add the header")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
+    from heads.io import write_atomic
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as out:
             out.write((json.dumps(header) + "\n").encode())
             if path.exists():
                 with open(path, "rb") as src:
@@ -299,11 +299,8 @@ def write_header(path: str | Path, header: dict) -> Path:
                         out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    write_atomic(path, write)
     return path
 
 
