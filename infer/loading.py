@@ -11,6 +11,7 @@ at every step (:class:`~infer.cost.OnlineCost`).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from .cost import OnlineCost, VerifyCost, measure_verify_cost
@@ -23,18 +24,22 @@ log = logging.getLogger("specheads")
 
 def draft_parts(spec: str, model) -> list[str]:
     """The drafters a ``--draft`` spec names, checked (a one-line UserError otherwise); ``auto``
-    resolves to the shipped heads that fit ``model`` (by path), then ``pld``."""
-    from heads.io import PRETRAINED_DIR, pretrained_for, pretrained_names
+    resolves to the shipped heads that fit ``model`` (by path), then ``pld``. With ``model=None``
+    the spec is only checked (before any model loads; ``auto`` then resolves to ``["auto"]``)."""
+    from heads.io import PRETRAINED_DIR, is_hub_id, local_path_problem, pretrained_for, pretrained_names
 
     spec = spec.strip()
     if not spec:
         raise UserError("--draft is empty: use auto, pld, none, a shipped head name or a head checkpoint")
     if spec == "auto":  # explicit paths: a local directory that happens to share a shipped name is not picked up
-        return [str(PRETRAINED_DIR / n) for n in pretrained_for(model)] + ["pld"]
+        return ["auto"] if model is None else [str(PRETRAINED_DIR / n) for n in pretrained_for(model)] + ["pld"]
     parts = [spec] if Path(spec).is_dir() else [p.strip() for p in spec.split("+")]
     shipped = pretrained_names()
     for part in parts:
-        is_head = part in shipped or Path(part).is_dir() or (part.count("/") == 1 and not Path(part).exists())
+        is_head = part in shipped or Path(part).is_dir() or is_hub_id(part)
+        if part not in ("pld", "none", *shipped) and not is_head and (
+                "/" in part or os.sep in part or part.startswith((".", "~")) or os.path.lexists(part)):
+            raise UserError(f"draft {local_path_problem(part)}: give a draft-head checkpoint directory or a Hub id (org/name)")
         if part not in ("pld", "none") and not is_head:
             names = ", ".join([*shipped, "pld", "none"])
             raise UserError(f"unknown draft {part!r}: use auto, {names}, a draft-head checkpoint directory or Hub id, or several joined by +")
