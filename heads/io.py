@@ -207,8 +207,8 @@ def is_foreign(directory: Path) -> bool:
     if not path.is_file():
         return any(directory.glob("*.safetensors")) or any(directory.glob("*.bin")) or any(directory.glob("*.pt"))
     try:
-        return json.loads(path.read_text()).get("format") != "specheads"
-    except (json.JSONDecodeError, AttributeError):
+        return json.loads(config_text(path)).get("format") != "specheads"
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
         return False
 
 
@@ -232,9 +232,20 @@ def load_state_strict(head: torch.nn.Module, state: dict, what: str) -> None:
         raise CheckpointError(f"{what} does not fit: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
 
+#: A head's config.json is a few KB: anything beyond this is not one (and is not read into memory).
+MAX_CONFIG_BYTES = 4 << 20
+
+
+def config_text(path: Path) -> str:
+    """The text of a config.json of at most :data:`MAX_CONFIG_BYTES` (else a :class:`CheckpointError`)."""
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path} is larger than the limit of {MAX_CONFIG_BYTES >> 20} MB: not a head config")
+    return path.read_text()
+
+
 def read_config(directory: Path) -> HeadConfig:
     try:
-        raw = json.loads((directory / CONFIG).read_text())
+        raw = json.loads(config_text(directory / CONFIG))
     except FileNotFoundError:
         raise CheckpointError(f"{directory} has no {CONFIG}: not a draft-head checkpoint") from None
     except json.JSONDecodeError as e:

@@ -71,4 +71,4 @@ def check_not_input(path: str | Path, what: str, inputs) -> None:
     pairs): writing it would destroy what the run reads."""
     for name, source in inputs:
         if source is not None and same_file(path, source):
-            raise UserError(f"{what} {path} is {name} {source}: writing it would overwrite that input; give another path")
+            raise UserError(f"{what} {path} is also {name} {source}: writing it would overwrite that; give another path")

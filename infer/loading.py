@@ -43,11 +43,27 @@ def draft_parts(spec: str, model) -> list[str]:
         if part not in ("pld", "none") and not is_head:
             names = ", ".join([*shipped, "pld", "none"])
             raise UserError(f"unknown draft {part!r}: use auto, {names}, a draft-head checkpoint directory or Hub id, or several joined by +")
+    if model is None:  # a head's own config.json, read before any model loads (sizes, aux_layers, types)
+        for part in parts:
+            if part not in ("pld", "none") and Path(part).is_dir():
+                check_head_config(part)
     if len(parts) > 1 and "none" in parts:
         raise UserError(f"--draft {spec!r}: 'none' cannot be combined with other drafts")
     if len(set(parts)) != len(parts):
         raise UserError(f"--draft {spec!r} names a drafter twice")
     return parts
+
+
+def check_head_config(path: str) -> None:
+    """A specheads head directory's config.json, parsed and checked (a one-line UserError); other
+    layouts are checked when they are imported, which needs the verifier."""
+    from heads.io import CheckpointError, is_foreign, read_config
+
+    try:
+        if not is_foreign(Path(path)):
+            read_config(Path(path))
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
 
 
 def tree_fits(head_path: str, tree: TreeSpec) -> bool:

@@ -317,9 +317,10 @@ def load_verifier(name: str, *, dtype: str | torch.dtype | None = "auto", device
     elif name.startswith("tiny-random:"):
         tokenizer = byte_tokenizer()
         # a moderate init: varied but patterned text, which heads can learn in a few seconds
-        model = tiny_random_model(name.split(":", 1)[1], vocab_size=len(tokenizer), initializer_range=0.1)
+        tiny = dict(vocab_size=len(tokenizer), initializer_range=0.1)
+        check(tiny_config(name.split(":", 1)[1], **tiny), tokenizer)
+        model = tiny_random_model(name.split(":", 1)[1], **tiny)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
-        check(model.config, tokenizer)
         model = model.to(resolve_dtype(dtype, dev))
     elif name.startswith("random:"):
         spec = name.split(":", 1)[1]
