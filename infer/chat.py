@@ -98,6 +98,8 @@ class ChatSession:
 def run_chat(session: ChatSession, inp=None, out=None, err=None) -> int:
     """The read-eval loop (standard streams by default). Returns the exit status."""
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    if getattr(session.tokenizer, "chat_template", None) is None:  # every turn would be refused: stop now
+        raise UserError("this verifier's tokenizer has no chat template: chat needs one")
     session.reset()
     print(HELP, file=err)
     interactive = inp.isatty()

@@ -19,7 +19,7 @@ import torch
 from .drafters import Drafter
 from .engine import GenerationResult, GenerationStats, stream
 from .errors import UserError
-from .loading import load_drafter
+from .loading import draft_parts, load_drafter
 from .models import load_verifier
 from .params import SamplingParams
 from .text import encode_prompt, eos_ids
@@ -68,6 +68,7 @@ class Speculator:
         """Load ``verifier`` (what ``--verifier`` accepts) and the drafter ``draft`` (what
         ``--draft`` accepts: ``auto``, ``pld``, ``none``, a head checkpoint, ``a+b``)."""
         spec = load_tree_spec(tree) if isinstance(tree, str) else tree
+        draft_parts(draft, None)  # a bad draft spec fails before the verifier loads
         lv = load_verifier(verifier, dtype=dtype, device=device)
         return cls(lv.model, lv.tokenizer, load_drafter(draft, lv.model, tree=spec, budget=tree_budget), name=verifier)
 

@@ -277,6 +277,18 @@ def test_the_api_refuses_bad_prompts_in_one_line(speculator, prompt, message):
             generate(speculator.model, None, prompt, max_new_tokens=4)
 
 
+def test_from_pretrained_checks_the_draft_before_loading(monkeypatch):
+    """Issue 21.18, API side: a bad draft spec fails before the verifier's load."""
+    from infer import Speculator
+    from infer.errors import UserError
+
+    _refuse_weights(monkeypatch)
+    monkeypatch.setattr("infer.speculator.load_verifier", lambda *a, **k: pytest.fail("the verifier loaded first"))
+    for draft, message in [("pld+pld", "names a drafter twice"), ("pld+/nonexistent", "no such file or directory")]:
+        with pytest.raises(UserError, match=message):
+            Speculator.from_pretrained("default", draft=draft)
+
+
 def test_run_bench_checks_every_prompt_against_the_context_before_any_method(speculator, monkeypatch):
     """Issue 21.13: HF's baseline ran a million tokens before the context check."""
     import infer.bench as bench
