@@ -133,8 +133,9 @@ HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def is_hub_id(text: str) -> bool:
-    """``text`` reads as a Hub repo id (``org/name``) and names nothing on the local disk."""
-    return bool(HUB_ID.fullmatch(text)) and not os.path.lexists(text)
+    """``text`` reads as a Hub repo id (``org/name``) and names nothing on the local disk (nor
+    does its ``org`` part: ``runs/typo`` next to a ``runs/`` directory is a missing path)."""
+    return bool(HUB_ID.fullmatch(text)) and not os.path.lexists(text) and not os.path.isdir(text.split("/", 1)[0])
 
 
 def local_path_problem(text: str) -> str | None:

@@ -289,6 +289,19 @@ def test_from_pretrained_checks_the_draft_before_loading(monkeypatch):
             Speculator.from_pretrained("default", draft=draft)
 
 
+def test_a_relative_path_beside_its_directory_is_a_path_not_a_hub_id(tmp_path, monkeypatch):
+    """``runs/typo`` next to a ``runs/`` directory is a missing path (it used to go to the Hub)."""
+    from heads.io import is_hub_id
+    from infer.errors import UserError
+    from infer.loading import draft_parts
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert is_hub_id("some-org/head") and not is_hub_id("runs/typo")
+    with pytest.raises(UserError, match="draft runs/typo: no such file or directory"):
+        draft_parts("pld+runs/typo", None)
+
+
 def test_run_bench_checks_every_prompt_against_the_context_before_any_method(speculator, monkeypatch):
     """Issue 21.13: HF's baseline ran a million tokens before the context check."""
     import infer.bench as bench
