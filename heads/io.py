@@ -196,7 +196,8 @@ def resolve(path_or_repo: str | Path) -> Path:
 
         local_only = hub_access(text, "draft head")
         try:
-            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.md"], local_files_only=local_only))
+            cache_only = {"local_files_only": True} if local_only else {}
+            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.md"], **cache_only))
         except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
             raise CheckpointError(f"cannot fetch draft head {text!r} from the Hub: {type(e).__name__}") from None
     raise CheckpointError(f"no draft head at {local_path_problem(text)}: give a checkpoint directory or a Hub repo id")
