@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 HEAD_TYPES = ("medusa", "eagle1", "eagle3")
+#: Bounds on a head's sizes read from a config.json (Medusa uses 4-5 heads of one block).
+MAX_HEADS = 64
+MAX_HEAD_LAYERS = 64
 
 
 class HeadMismatchError(ValueError):
@@ -31,6 +34,15 @@ class VerifierSpec:
     vocab_size: int
     num_layers: int
     fingerprint: str
+
+    def __post_init__(self) -> None:  # a hand-edited config.json: say which field has the wrong type
+        for key in ("hidden_size", "vocab_size", "num_layers"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"verifier.{key} must be a positive integer, not {value!r}")
+        for key in ("name", "model_type", "fingerprint"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"verifier.{key} must be a string, not {getattr(self, key)!r}")
 
     @classmethod
     def of(cls, model: torch.nn.Module, name: str = "") -> VerifierSpec:
@@ -119,7 +131,19 @@ class HeadConfig:
     def __post_init__(self) -> None:
         if self.head_type not in HEAD_TYPES:
             raise ValueError(f"head_type must be one of {', '.join(HEAD_TYPES)}, not {self.head_type!r}")
+        for key, limit in (("num_heads", MAX_HEADS), ("num_layers", MAX_HEAD_LAYERS), ("draft_vocab_size", None)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a non-negative integer, not {value!r}")
+            if limit is not None and value > limit:
+                raise ValueError(f"{key} {value} is beyond the limit of {limit}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.aux_layers):
+            raise ValueError(f"aux_layers must be integers, not {list(self.aux_layers)!r}")
         if self.head_type == "eagle3":
+            n = self.verifier.num_layers
+            if any(not 0 <= i <= n for i in self.aux_layers):
+                raise ValueError(f"aux_layers {list(self.aux_layers)} are out of range: a verifier of {n} layers has hidden "
+                                 f"states 0..{n} (0 = the embeddings, i = the input of decoder layer i)")
             if not 0 < self.draft_vocab_size <= self.verifier.vocab_size:
                 raise ValueError("eagle3 needs 0 < draft_vocab_size <= the verifier's vocab size")
             if len(self.aux_layers) != 3:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -127,6 +128,60 @@ def pretrained_for(model: torch.nn.Module) -> list[str]:
     return names
 
 
+#: What a Hugging Face Hub repo id looks like (``org/name``); anything else with a ``/`` is a path.
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def is_hub_id(text: str) -> bool:
+    """``text`` reads as a Hub repo id (``org/name``) and names nothing on the local disk (nor
+    does its ``org`` part: ``runs/typo`` next to a ``runs/`` directory is a missing path)."""
+    return bool(HUB_ID.fullmatch(text)) and not os.path.lexists(text) and not os.path.isdir(text.split("/", 1)[0])
+
+
+def local_path_problem(text: str) -> str | None:
+    """Why ``text``, meant as a local directory, is not one (None when it is a directory): no such
+    file or directory, a broken symbolic link or a link loop, or a file."""
+    p = Path(text)
+    try:
+        if p.is_dir():
+            return None
+        if p.exists():
+            return f"{text} is a file, not a directory"
+    except OSError as e:  # e.g. a name too long
+        return f"{text}: {e.strerror or e}"
+    if os.path.lexists(p):
+        return f"{text}: a broken symbolic link or a symbolic-link loop"
+    return f"{text}: no such file or directory"
+
+
+def hub_access(repo_id: str, what: str, filename: str = "config.json") -> bool:
+    """Before asking the Hub for ``repo_id``: whether to load from the local cache only (True: it is
+    cached and the Hub cannot be reached). A repo that is not cached while ``HF_HUB_OFFLINE`` is set
+    or the Hub's host does not answer within a few seconds is a :class:`CheckpointError` at once,
+    instead of a minute of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = isinstance(try_to_load_from_cache(repo_id, filename), str)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return True
+        raise CheckpointError(f"{what} {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: "
+                              "download it where the Hub is reachable, or give a local directory")
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+    except OSError as e:
+        if cached:
+            return True
+        raise CheckpointError(f"{what} {repo_id!r} is not in the local Hugging Face cache and the Hub ({constants.ENDPOINT}) "
+                              f"cannot be reached ({e.strerror or type(e).__name__}): download it where the Hub is reachable, "
+                              "or give a local directory") from None
+    return False
+
+
 def resolve(path_or_repo: str | Path) -> Path:
     """A local checkpoint directory, the name of a head shipped in the package (``default``), or
     a Hub repo id downloaded to the local cache."""
@@ -136,14 +191,16 @@ def resolve(path_or_repo: str | Path) -> Path:
     if p.is_dir():
         return p
     text = str(path_or_repo)
-    if text.count("/") == 1 and not p.exists():
+    if is_hub_id(text):
         from huggingface_hub import snapshot_download
 
+        local_only = hub_access(text, "draft head")
         try:
-            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.md"]))
+            cache_only = {"local_files_only": True} if local_only else {}
+            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.md"], **cache_only))
         except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
             raise CheckpointError(f"cannot fetch draft head {text!r} from the Hub: {type(e).__name__}") from None
-    raise CheckpointError(f"no draft head at {text!r}: give a checkpoint directory or a Hub repo id")
+    raise CheckpointError(f"no draft head at {local_path_problem(text)}: give a checkpoint directory or a Hub repo id")
 
 
 def is_foreign(directory: Path) -> bool:
@@ -152,8 +209,8 @@ def is_foreign(directory: Path) -> bool:
     if not path.is_file():
         return any(directory.glob("*.safetensors")) or any(directory.glob("*.bin")) or any(directory.glob("*.pt"))
     try:
-        return json.loads(path.read_text()).get("format") != "specheads"
-    except (json.JSONDecodeError, AttributeError):
+        return json.loads(config_text(path)).get("format") != "specheads"
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
         return False
 
 
@@ -177,9 +234,20 @@ def load_state_strict(head: torch.nn.Module, state: dict, what: str) -> None:
         raise CheckpointError(f"{what} does not fit: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
 
+#: A head's config.json is a few KB: anything beyond this is not one (and is not read into memory).
+MAX_CONFIG_BYTES = 4 << 20
+
+
+def config_text(path: Path) -> str:
+    """The text of a config.json of at most :data:`MAX_CONFIG_BYTES` (else a :class:`CheckpointError`)."""
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path} is larger than the limit of {MAX_CONFIG_BYTES >> 20} MB: not a head config")
+    return path.read_text()
+
+
 def read_config(directory: Path) -> HeadConfig:
     try:
-        raw = json.loads((directory / CONFIG).read_text())
+        raw = json.loads(config_text(directory / CONFIG))
     except FileNotFoundError:
         raise CheckpointError(f"{directory} has no {CONFIG}: not a draft-head checkpoint") from None
     except json.JSONDecodeError as e:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .config import HeadMismatchError
 from .interop import import_head
 from .io import CheckpointError, is_foreign, load_specheads, push_head, resolve, save_head
 from .modules import DraftHead
@@ -36,7 +37,12 @@ def load_head(
     if is_foreign(directory):
         if verifier is None:
             raise CheckpointError(f"{directory} is not a specheads checkpoint: importing it needs the verifier")
-        head = import_head(directory, verifier, name=str(path_or_repo))
+        try:
+            head = import_head(directory, verifier, name=str(path_or_repo))
+        except (CheckpointError, HeadMismatchError):
+            raise
+        except (ValueError, TypeError) as e:  # HeadConfig's checks of what the foreign config says (aux_layers, sizes)
+            raise CheckpointError(f"{directory}: {e}") from None
     else:
         head = load_specheads(directory, verifier)
     dtype_, device_ = _placement(verifier)

@@ -24,7 +24,7 @@ from .engine import generate
 from .errors import UserError
 from .kernels import kernel_context
 from .prompts import BenchPrompt
-from .verifier import Verifier
+from .verifier import Verifier, check_fits
 
 METHODS = ("vanilla", "hf-pld", "spec")
 
@@ -53,6 +53,17 @@ def hf_generate(model, ids, max_new_tokens, eos, **kw) -> list[int]:
         **{"do_sample": False, **kw},
     )
     return out[0, ids.numel() :].tolist()
+
+
+def check_methods(methods, temperature: float = 0.0) -> None:
+    """A one-line :class:`UserError` for unknown methods, none at all, or ``hf-pld`` when sampling."""
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise UserError(f"unknown bench methods {sorted(unknown)}: choose from {', '.join(METHODS)}")
+    if not methods:
+        raise UserError("--methods is empty: give a comma-separated subset of vanilla,hf-pld,spec")
+    if temperature > 0 and "hf-pld" in methods:
+        raise UserError("hf-pld is greedy only here: drop it from --methods when sampling")
 
 
 def run_bench(
@@ -93,11 +104,7 @@ def run_bench(
 
     from .text import encode_prompt, eos_ids
 
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise UserError(f"unknown bench methods {sorted(unknown)}: choose from {', '.join(METHODS)}")
-    if temperature > 0 and "hf-pld" in methods:
-        raise UserError("hf-pld is greedy only here: drop it from --methods when sampling")
+    check_methods(methods, temperature)
     eos = eos_ids(model, tokenizer)
     drafters = drafter if isinstance(drafter, dict) else {"": drafter}
     kernels = kernels or {}
@@ -137,11 +144,13 @@ def run_bench(
             expanded.append(name)
     methods = tuple(expanded)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
+    for i, ids in enumerate(encoded):  # before any method runs (HF would run a million tokens first)
+        check_fits(model.config, ids.numel() + max_new_tokens, f"prompt {i + 1} plus max_new_tokens")
     log = PartialResults(partial, {**(fingerprint or {}), "methods": list(methods), "n_prompts": len(prompts)}) if partial else None
     rows = log.rows() if log else []
     if rows:
         for i, row in enumerate(rows):
-            if row.get("prompt") != prompts[i].text[:200]:
+            if row.get("prompt") != prompts[i].text[:200] or row.get("category") != prompts[i].category:
                 raise UserError(f"{partial}: its prompt {i + 1} is not this run's: remove the file to start over")
     counter = ForwardCounter(model)
     try:

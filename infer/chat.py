@@ -40,6 +40,25 @@ class ChatSession:
         ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         return torch.tensor(ids["input_ids"], dtype=torch.long)
 
+    def check_turn(self, user_text: str) -> None:
+        """A :class:`UserError` when ``user_text`` cannot be sent: not valid text, or the history
+        with it plus ``max_new_tokens`` beyond the verifier's context (``/reset`` starts afresh)."""
+        from .text import check_text
+        from .verifier import check_fits
+
+        check_text(user_text, "this message")
+        self.messages.append({"role": "user", "content": user_text})
+        try:
+            n = self.encode().numel()
+        finally:
+            self.messages.pop()
+        config = getattr(self.verifier, "config", None) or self.model.config
+        try:
+            check_fits(config, n + self.gen_kwargs.get("max_new_tokens", 128),
+                       "the conversation with this message plus max_new_tokens")
+        except UserError as e:
+            raise UserError(f"{e}, or /reset to start a new conversation") from None
+
     def reply(self, user_text: str, out=None) -> str:
         """Generate the assistant's answer to ``user_text``, streaming it to ``out``; returns the
         status line. A KeyboardInterrupt stops the reply early and keeps what was said."""
@@ -49,8 +68,12 @@ class ChatSession:
         pieces = StreamDecoder(self.tokenizer)
         stats = None
         stopped = False
-        chunks = stream(self.verifier or self.model, self.drafter, self.encode(), tokenizer=self.tokenizer,
-                        eos_token_id=eos_ids(self.model, self.tokenizer), **self.gen_kwargs)
+        try:  # checked before any work (e.g. history plus max_new_tokens beyond the context)
+            chunks = stream(self.verifier or self.model, self.drafter, self.encode(), tokenizer=self.tokenizer,
+                            eos_token_id=eos_ids(self.model, self.tokenizer), **self.gen_kwargs)
+        except UserError:
+            self.messages.pop()  # the turn is refused; the conversation so far stays
+            raise
         try:
             for chunk in chunks:
                 tokens.extend(chunk.token_ids)
@@ -72,6 +95,8 @@ class ChatSession:
 def run_chat(session: ChatSession, inp=None, out=None, err=None) -> int:
     """The read-eval loop (standard streams by default). Returns the exit status."""
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    if getattr(session.tokenizer, "chat_template", None) is None:  # every turn would be refused: stop now
+        raise UserError("this verifier's tokenizer has no chat template: chat needs one")
     session.reset()
     print(HELP, file=err)
     interactive = inp.isatty()
@@ -98,7 +123,15 @@ def run_chat(session: ChatSession, inp=None, out=None, err=None) -> int:
             session.reset()
             print("[new conversation]", file=err)
             continue
+        try:
+            session.check_turn(cmd)
+        except UserError as e:  # this turn is refused; the session goes on
+            print(f"[not sent: {e}]", file=err)
+            continue
         out.write("assistant> ")
-        status = session.reply(cmd, out)
+        try:
+            status = session.reply(cmd, out)
+        except UserError as e:
+            status = f"[not sent: {e}]"
         print(status, file=err)
     return 0

@@ -145,16 +145,42 @@ def _check_prompt_text(text: str) -> None:
         raise UserError("the prompt is not valid UTF-8 (it holds undecodable bytes): pass it as UTF-8 text") from None
 
 
-def _load(args, text_for: str | None = None):
+def _load(args, text_for: str | None = None, check=None):
     """The verifier, after checking the device (a bad --device fails before any loading); with
-    ``text_for`` (what needs text), a verifier without a tokenizer is a user error."""
+    ``text_for`` (what needs text), a verifier without a tokenizer is a user error. ``check``: see
+    :func:`~infer.models.load_verifier` (runs before the weights load where it can)."""
     from . import models
 
     models.resolve_device(args.device)
-    lv = models.load_verifier(args.verifier, dtype=args.dtype, device=args.device)
+    kw = {"check": check} if check is not None else {}
+    lv = models.load_verifier(args.verifier, dtype=args.dtype, device=args.device, **kw)
     if text_for and lv.tokenizer is None:
         raise UserError(f"verifier {args.verifier!r} has no tokenizer: {text_for}")
     return lv
+
+
+def _check_drafts(*specs: str) -> None:
+    """Every --draft spec, checked before any model loads (names, paths, 'none' combined, twice)."""
+    from .loading import draft_parts
+
+    for spec in specs:
+        draft_parts(spec, None)
+
+
+def _fits_context(texts, chat, max_new_tokens: int, what):
+    """A ``check(config, tokenizer)`` for :func:`~infer.models.load_verifier`: each prompt of
+    ``texts`` (encoded as generation will) plus ``max_new_tokens`` fits the verifier's context
+    (a one-line error naming ``what(i)`` otherwise)."""
+    def check(config, tokenizer):
+        if tokenizer is None:
+            return  # refused after loading: the command needs text
+        from .text import encode_prompt
+        from .verifier import check_fits
+
+        for i, text in enumerate(texts):
+            check_fits(config, encode_prompt(tokenizer, text, chat=chat).numel() + max_new_tokens,
+                       f"{what(i)} plus max_new_tokens")
+    return check
 
 
 def _drafter(args, draft: str, model, tree, linear: str | None = None):
@@ -190,7 +216,9 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise UserError("the prompt is empty: give some text")
     tree = _tree(args)
-    lv = _load(args, "generate needs text (random shapes without one: use bench or cost)")
+    _check_drafts(args.draft)
+    lv = _load(args, "generate needs text (random shapes without one: use bench or cost)",
+               _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
     drafter = _drafter(args, args.draft, lv.model, tree)
     verifier = _verifier(args, lv.model)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
@@ -275,15 +303,14 @@ def cmd_bench(args) -> int:
 
     from heads.io import write_atomic
 
-    from .bench import add_efficiency, environment, plot_results, run_bench
+    from .bench import add_efficiency, check_methods, environment, plot_results, run_bench
     from .cost import measure_verify_cost
-    from .files import check_output_file
+    from .files import check_not_input, check_output_file
     from .prompts import MT_BENCH_GROUP, read_prompts
     from .tree import load_tree_spec
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    if not methods:
-        raise UserError("--methods is empty: give a comma-separated subset of vanilla,hf-pld,spec")
+    check_methods(methods, args.temperature)
     if args.limit is not None and args.limit < 1:
         raise UserError("--limit must be >= 1")
     _params(args, temperature=args.temperature, seed=args.seed)
@@ -292,24 +319,30 @@ def cmd_bench(args) -> int:
     check_output_file(partial, "the progress file")
     if args.plot:
         check_output_file(args.plot, "--plot")
+    entries = bench_drafts(args.draft)
+    inputs = [("--prompts", args.prompts)] + [("the tree file", t) for t in sorted({args.tree, *(t for _, t in entries)} - {None})
+                                                if Path(t).is_file()]
+    for path, what in ((out, "--out"), (partial, "the progress file"), (args.plot, "--plot")):
+        if path is not None:
+            check_not_input(path, what, inputs)
+    if args.plot:
+        check_not_input(args.plot, "--plot", [("--out", out)])
     prompts = read_prompts(args.prompts, args.limit, MT_BENCH_GROUP if args.group_mt_bench else None)
     tree = _tree(args)
-    entries = bench_drafts(args.draft)
     labels = [(Path(d).name or d) + (f"@{t}" if t else "") for d, t in entries]
     if len(set(labels)) != len(labels):
         raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component and the tree)")
     trees = [load_tree_spec(t) if t else tree for _, t in entries]  # bad trees fail before loading
+    _check_drafts(*(d for d, _ in entries))
     kernels = bench_kernels(args.linear)
-    lv = _load(args, "bench reads text prompts")
+    lv = _load(args, "bench reads text prompts", _fits_context([p.text for p in prompts], args.chat is not False,
+                                                                args.max_new_tokens, lambda i: f"prompt {i + 1} of {args.prompts}"))
     drafters, kernel_of = {}, {}
     for i, kernel in enumerate(kernels):  # each kernel its own drafters: their cost curves learn its times
         for label, (d, _), t in zip(labels, entries, trees):
             name = label if i == 0 else f"{label}[{kernel}]"
             drafters[name], kernel_of[name] = _drafter(args, d, lv.model, t, kernel), kernel
-    config = {"verifier": args.verifier, "draft": args.draft, "tree": args.tree, "tree_budget": args.tree_budget,
-              "temperature": args.temperature, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-              "limit": args.limit, "chat": args.chat, "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device,
-              "linear": args.linear}
+    config = bench_fingerprint(args)
     results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
                         temperature=args.temperature, seed=args.seed, partial=partial, fingerprint=config)
@@ -323,6 +356,17 @@ def cmd_bench(args) -> int:
     partial.unlink(missing_ok=True)
     print(format_table(results))
     return 0
+
+
+#: bench options that do not change the per-prompt results (where they go, what is added at the
+#: end): every other option is part of the fingerprint a resumed run must match.
+BENCH_NOT_IN_FINGERPRINT = ("command", "out", "plot", "verify_cost")
+
+
+def bench_fingerprint(args) -> dict:
+    """What defines a benchmark's per-prompt results: every bench option except
+    :data:`BENCH_NOT_IN_FINGERPRINT` (a new option joins the fingerprint by default)."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in BENCH_NOT_IN_FINGERPRINT}
 
 
 def format_table(results: dict) -> str:
@@ -346,6 +390,7 @@ def cmd_chat(args) -> int:
 
     _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     tree = _tree(args)
+    _check_drafts(args.draft)
     lv = _load(args, "chat needs text")
     drafter = _drafter(args, args.draft, lv.model, tree)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -395,6 +440,10 @@ def cmd_export(args) -> int:
     return 0
 
 
+MAX_COST_PREFIX = 1 << 17
+MAX_COST_REPEATS = 1000
+
+
 def cmd_cost(args) -> int:
     from .cost import measure_verify_cost
 
@@ -404,6 +453,12 @@ def cmd_cost(args) -> int:
         raise UserError(f"--nodes must be comma-separated integers, not {args.nodes!r}") from None
     if not nodes or min(nodes) < 1 or args.prefix_len < 1 or args.repeats < 1:
         raise UserError("--nodes, --prefix-len and --repeats must be positive")
+    from .tree import MAX_TREE_NODES
+
+    for what, value, limit in (("--nodes", max(nodes), MAX_TREE_NODES), ("--prefix-len", args.prefix_len, MAX_COST_PREFIX),
+                               ("--repeats", args.repeats, MAX_COST_REPEATS)):
+        if value > limit:
+            raise UserError(f"{what} {value} is beyond the limit of {limit}")
     lv = _load(args)
     cost = measure_verify_cost(lv.model, nodes, prefix_len=args.prefix_len, repeats=args.repeats, linear=args.linear)
     if args.json:

@@ -82,6 +82,8 @@ def check_prompt_ids(input_ids) -> torch.Tensor:
             ids = torch.as_tensor(input_ids)
         except (TypeError, ValueError, RuntimeError):
             raise UserError("input_ids must be a sequence of integer token ids or a tensor of shape [L] or [1, L]") from None
+    if ids.numel() == 0:
+        raise UserError("the prompt is empty: give at least one token")
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise UserError(f"input_ids must hold integer token ids (torch.long), not {ids.dtype}")
     if ids.dim() == 2 and ids.shape[0] == 1:
@@ -104,7 +106,12 @@ class _Stopper:
         else:
             eos = {int(e) for e in eos_token_id}
         self.eos = eos
-        self.stop = [s for s in (stop or []) if s]
+        if isinstance(stop, str):  # one stop string, not its characters
+            stop = [stop]
+        stop = list(stop or [])
+        if not all(isinstance(s, str) for s in stop):
+            raise UserError(f"stop must be a string or a list of strings, not {stop!r:.80}")
+        self.stop = [s for s in stop if s]
         if self.stop and tokenizer is None:
             raise UserError("stop strings need the tokenizer: pass tokenizer=")
         self.tokenizer = tokenizer
@@ -166,8 +173,8 @@ def stream(
             :class:`~infer.params.SamplingParams` (then those arguments are ignored).
         tree: overrides the drafter's tree shape.
         eos_token_id: token id(s) that end generation (included in the output, as in HF).
-        stop: strings that end generation once the decoded output contains one (needs
-            ``tokenizer``); the output ends with the token that completed the stop string.
+        stop: a string, or strings, that end generation once the decoded output contains one
+            (needs ``tokenizer``); the output ends with the token that completed the stop string.
         acceptance: ``"exact"`` (lossless) or ``"typical"`` (Medusa typical acceptance, lossy).
     """
     if params is None:

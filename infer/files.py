@@ -54,3 +54,21 @@ def check_output_dir(path: str | Path, what: str = "output directory") -> Path:
         raise UserError(f"{what} {path}: {base} is not a directory")
     _probe(base, path, what)
     return path
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file (the same inode when both exist: links, ``./x`` and ``x``)."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError):  # a symlink loop: not a file we would read
+        return False
+
+
+def check_not_input(path: str | Path, what: str, inputs) -> None:
+    """A one-line :class:`UserError` when the output ``path`` is one of ``inputs`` (``(name, path)``
+    pairs): writing it would destroy what the run reads."""
+    for name, source in inputs:
+        if source is not None and same_file(path, source):
+            raise UserError(f"{what} {path} is also {name} {source}: writing it would overwrite that; give another path")

@@ -11,6 +11,7 @@ at every step (:class:`~infer.cost.OnlineCost`).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from .cost import OnlineCost, VerifyCost, measure_verify_cost
@@ -23,26 +24,46 @@ log = logging.getLogger("specheads")
 
 def draft_parts(spec: str, model) -> list[str]:
     """The drafters a ``--draft`` spec names, checked (a one-line UserError otherwise); ``auto``
-    resolves to the shipped heads that fit ``model`` (by path), then ``pld``."""
-    from heads.io import PRETRAINED_DIR, pretrained_for, pretrained_names
+    resolves to the shipped heads that fit ``model`` (by path), then ``pld``. With ``model=None``
+    the spec is only checked (before any model loads; ``auto`` then resolves to ``["auto"]``)."""
+    from heads.io import PRETRAINED_DIR, is_hub_id, local_path_problem, pretrained_for, pretrained_names
 
     spec = spec.strip()
     if not spec:
         raise UserError("--draft is empty: use auto, pld, none, a shipped head name or a head checkpoint")
     if spec == "auto":  # explicit paths: a local directory that happens to share a shipped name is not picked up
-        return [str(PRETRAINED_DIR / n) for n in pretrained_for(model)] + ["pld"]
+        return ["auto"] if model is None else [str(PRETRAINED_DIR / n) for n in pretrained_for(model)] + ["pld"]
     parts = [spec] if Path(spec).is_dir() else [p.strip() for p in spec.split("+")]
     shipped = pretrained_names()
     for part in parts:
-        is_head = part in shipped or Path(part).is_dir() or (part.count("/") == 1 and not Path(part).exists())
+        is_head = part in shipped or Path(part).is_dir() or is_hub_id(part)
+        if part not in ("pld", "none", *shipped) and not is_head and (
+                "/" in part or os.sep in part or part.startswith((".", "~")) or os.path.lexists(part)):
+            raise UserError(f"draft {local_path_problem(part)}: give a draft-head checkpoint directory or a Hub id (org/name)")
         if part not in ("pld", "none") and not is_head:
             names = ", ".join([*shipped, "pld", "none"])
             raise UserError(f"unknown draft {part!r}: use auto, {names}, a draft-head checkpoint directory or Hub id, or several joined by +")
+    if model is None:  # a head's own config.json, read before any model loads (sizes, aux_layers, types)
+        for part in parts:
+            if part not in ("pld", "none") and Path(part).is_dir():
+                check_head_config(part)
     if len(parts) > 1 and "none" in parts:
         raise UserError(f"--draft {spec!r}: 'none' cannot be combined with other drafts")
     if len(set(parts)) != len(parts):
         raise UserError(f"--draft {spec!r} names a drafter twice")
     return parts
+
+
+def check_head_config(path: str) -> None:
+    """A specheads head directory's config.json, parsed and checked (a one-line UserError); other
+    layouts are checked when they are imported, which needs the verifier."""
+    from heads.io import CheckpointError, is_foreign, read_config
+
+    try:
+        if not is_foreign(Path(path)):
+            read_config(Path(path))
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
 
 
 def tree_fits(head_path: str, tree: TreeSpec) -> bool:

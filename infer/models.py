@@ -19,6 +19,8 @@ when it records none) on a GPU; ``bf16``, ``fp16``, ``fp32`` force one.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,18 +112,95 @@ RANDOM_PRESETS: dict[str, dict] = {
 }
 
 
+#: Bounds on a model config a user hands us (``random:<dir>``): beyond them it is a typo or an attack.
+MAX_CONFIG_BYTES = 4 << 20
+MAX_LAYERS = 1024
+#: The sizes a config must hold as positive integers (when present) before anything is built.
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "vocab_size", "max_position_embeddings")
+
+
+def check_config_sizes(raw: dict, where: str) -> None:
+    """Every size in a raw config dict is a positive integer and the layer count is at most
+    :data:`MAX_LAYERS`, else a one-line :class:`UserError` naming the key."""
+    for key in SIZE_KEYS:
+        value = raw.get(key)
+        if value is None and key in ("head_dim", "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{where}: {key} must be a positive integer, not {value!r}")
+    if raw["num_hidden_layers"] > MAX_LAYERS:
+        raise UserError(f"{where}: num_hidden_layers {raw['num_hidden_layers']} is beyond the limit of {MAX_LAYERS}")
+
+
+def estimate_parameters(config) -> int:
+    """The parameter count of a decoder-only transformer of ``config``'s shape (embedding, LM head
+    unless tied, attention and gated-MLP projections, norms): what building it allocates."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    hd = getattr(c, "head_dim", None) or h // heads
+    inter = getattr(c, "intermediate_size", None) or 4 * h
+    per_layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter + 2 * h
+    tied = getattr(c, "tie_word_embeddings", True)
+    return vocab * h * (1 if tied else 2) + layers * per_layer + h
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` (CPU: MemAvailable of /proc/meminfo, else
+    the free physical pages; CUDA: the driver's free memory); None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_memory(config, dtype: torch.dtype, device: torch.device, name: str) -> None:
+    """Refuse, before anything is allocated, a model whose weights alone exceed the memory
+    available on ``device``: a one-line :class:`UserError` with both numbers."""
+    params = estimate_parameters(config)
+    need = params * torch.empty((), dtype=dtype).element_size()
+    avail = available_memory(device)
+    if avail is not None and need > avail:
+        raise UserError(f"verifier {name!r} needs about {need / 2**30:.1f} GiB for its {params / 1e9:.2f}B parameters in "
+                        f"{str(dtype).removeprefix('torch.')} but {device} has {avail / 2**30:.1f} GiB available: use a "
+                        "smaller model, a smaller --dtype (bf16) or a device with more memory")
+
+
 def random_config(spec: str):
-    """The config of ``random:<spec>``: a preset name or a directory holding a config.json."""
+    """The config of ``random:<spec>``: a preset name or a directory holding a config.json (its
+    sizes checked: positive integers, at most :data:`MAX_LAYERS` layers)."""
     from transformers import AutoConfig
 
     if spec in RANDOM_PRESETS:
         d = dict(RANDOM_PRESETS[spec])
         return AutoConfig.for_model(d.pop("model_type"), bos_token_id=None, eos_token_id=None, pad_token_id=None, **d)
-    if (Path(spec) / "config.json").is_file():
+    path = Path(spec) / "config.json"
+    if path.is_file():
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise UserError(f"{path} is larger than the limit of {MAX_CONFIG_BYTES >> 20} MB: is it a model config?")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read {path}: {e}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{path} must hold one JSON object")
+        check_config_sizes(raw, str(path))
         try:
             return AutoConfig.from_pretrained(spec)
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot read {spec}/config.json: {str(e).splitlines()[0]}") from None
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise UserError(f"cannot read {spec}/config.json: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     raise UserError(f"unknown random verifier {spec!r}: use random:<preset> ({', '.join(RANDOM_PRESETS)}) "
                     f"or random:<directory with a config.json>")
 
@@ -132,6 +211,7 @@ def random_model(spec: str, *, dtype: torch.dtype, device: torch.device, seed: i
     from transformers import AutoModelForCausalLM
 
     config = random_config(spec)
+    check_fits_memory(config, dtype, device, f"random:{spec}")
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
@@ -215,41 +295,63 @@ def byte_tokenizer():
     return fast
 
 
-def load_verifier(name: str, *, dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu") -> LoadedVerifier:
+def load_verifier(name: str, *, dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu",
+                  check=None) -> LoadedVerifier:
     """Load a verifier by name: ``default``, ``tiny-random:<arch>``, ``random:<preset or dir>``, a
-    local directory or a Hub id, on ``device`` in ``dtype`` (see the module docstring)."""
+    local directory or a Hub id, on ``device`` in ``dtype`` (see the module docstring).
+
+    ``check(config, tokenizer)``, if given, runs as soon as both are known and before the weights
+    load wherever they load separately (a directory, a Hub id, ``random:``; the default verifier's
+    GGUF file gives its config only with its weights): e.g. prompt lengths against the context."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from heads.io import CheckpointError, hub_access, is_hub_id, local_path_problem
+
+    check = check or (lambda config, tokenizer: None)
     dev = resolve_device(device)
     if name == "default":
         path = default_verifier_file()
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=resolve_dtype(dtype, dev))
+        check(model.config, tokenizer)
     elif name.startswith("tiny-random:"):
         tokenizer = byte_tokenizer()
         # a moderate init: varied but patterned text, which heads can learn in a few seconds
-        model = tiny_random_model(name.split(":", 1)[1], vocab_size=len(tokenizer), initializer_range=0.1)
+        tiny = dict(vocab_size=len(tokenizer), initializer_range=0.1)
+        check(tiny_config(name.split(":", 1)[1], **tiny), tokenizer)
+        model = tiny_random_model(name.split(":", 1)[1], **tiny)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model = model.to(resolve_dtype(dtype, dev))
     elif name.startswith("random:"):
         spec = name.split(":", 1)[1]
         config = random_config(spec)
-        model = random_model(spec, dtype=resolve_dtype(dtype, dev, getattr(config, "dtype", None)), device=dev)
         tokenizer = None
         if Path(spec).is_dir() and any((Path(spec) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             tokenizer = AutoTokenizer.from_pretrained(spec)
-        elif model.config.vocab_size >= 258:
+        elif config.vocab_size >= 258:
             tokenizer = byte_tokenizer()
-    elif Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists() and " " not in name):
+        check(config, tokenizer)
+        model = random_model(spec, dtype=resolve_dtype(dtype, dev, getattr(config, "dtype", None)), device=dev)
+    elif Path(name).is_dir() or is_hub_id(name):
         try:
             from transformers import AutoConfig
 
-            checkpoint_dtype = getattr(AutoConfig.from_pretrained(name), "dtype", None)
-            tokenizer = AutoTokenizer.from_pretrained(name)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=resolve_dtype(dtype, dev, checkpoint_dtype))
+            local = {"local_files_only": True} if not Path(name).is_dir() and hub_access(name, "verifier") else {}
+            config = AutoConfig.from_pretrained(name, **local)
+            tokenizer = AutoTokenizer.from_pretrained(name, **local)
+        except CheckpointError as e:
+            raise UserError(str(e)) from None
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot load verifier {name!r}: {first}") from None
+        check(config, tokenizer)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=resolve_dtype(dtype, dev, getattr(config, "dtype", None)), **local)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"cannot load verifier {name!r}: {first}") from None
+    elif "/" in name or os.sep in name or name.startswith((".", "~")) or os.path.lexists(name):
+        raise UserError(f"cannot load verifier {local_path_problem(name)}: give a model directory or a Hub id (org/name)")
     else:
         raise UserError(
             f"unknown verifier {name!r}: use 'default', 'tiny-random:<arch>', 'random:<preset>', a local model directory or a Hub id"

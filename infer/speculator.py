@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import torch
 from .drafters import Drafter
 from .engine import GenerationResult, GenerationStats, stream
 from .errors import UserError
-from .loading import load_drafter
+from .loading import draft_parts, load_drafter
 from .models import load_verifier
 from .params import SamplingParams
 from .text import StreamDecoder, encode_prompt, eos_ids
@@ -43,13 +44,23 @@ class SpeculatorResult(GenerationResult):
     text: str | None = None
 
 
+BUSY = ("this Speculator is already generating (an unfinished stream() or another thread): it runs one "
+        "generation at a time; finish or close() the other stream first, or use one Speculator per concurrent generation")
+
+
 class Speculator:
     """Speculative generation with a loaded verifier and drafter. Greedy output is the verifier's
-    own greedy output; sampled output follows its sampling distribution."""
+    own greedy output; sampled output follows its sampling distribution.
+
+    One generation at a time: a second ``stream()`` / ``generate()`` while one is unfinished (an
+    unexhausted stream, or another thread) is refused with a :class:`UserError`; it never
+    interleaves with the first (they share the verifier's KV cache and the drafter's state)."""
 
     def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = "", linear: str = "auto"):
         self.model, self.tokenizer, self.drafter, self.name = model, tokenizer, drafter, name
         self._verifier = Verifier(model, linear=linear)
+        # one generation at a time: the verifier's KV cache and the drafter's state are per generation
+        self._busy = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, verifier: str = "default", *, draft: str = "auto", dtype: str | torch.dtype = "auto",
@@ -62,6 +73,7 @@ class Speculator:
 
         spec = load_tree_spec(tree) if isinstance(tree, str) else tree
         check_kernel_device(linear, device)  # before loading anything
+        draft_parts(draft, None)  # a bad draft spec fails before the verifier loads
         lv = load_verifier(verifier, dtype=dtype, device=device)
         drafter = load_drafter(draft, lv.model, tree=spec, budget=tree_budget, draft_dtype=draft_dtype, linear=linear)
         return cls(lv.model, lv.tokenizer, drafter, name=verifier, linear=linear)
@@ -74,20 +86,25 @@ class Speculator:
         return prompt
 
     def stream(self, prompt: str | Sequence[int] | torch.Tensor, *, max_new_tokens: int = 128, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                chat: bool | None = None) -> Iterator[TextChunk]:
         """Generate from text (through the chat template when the tokenizer has one, unless
         ``chat=False``) or token ids, yielding each step's tokens and text as they are accepted."""
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed)
         ids = self._ids(prompt, chat)
         eos = eos_ids(self.model, self.tokenizer) if self.tokenizer is not None else None
-        pieces = StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
-        for chunk in stream(self._verifier, self.drafter, ids, params=params, eos_token_id=eos, stop=stop,
-                            tokenizer=self.tokenizer):
-            piece = pieces.push(chunk.token_ids) if pieces is not None else ""
-            if pieces is not None and chunk.stats.finish_reason:  # the last chunk: whatever is left
-                piece += pieces.flush()
-            yield TextChunk(chunk.token_ids, piece, chunk.stats)
+        if not self._busy.acquire(blocking=False):
+            raise UserError(BUSY)
+        try:
+            pieces = StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
+            for chunk in stream(self._verifier, self.drafter, ids, params=params, eos_token_id=eos, stop=stop,
+                                tokenizer=self.tokenizer):
+                piece = pieces.push(chunk.token_ids) if pieces is not None else ""
+                if pieces is not None and chunk.stats.finish_reason:  # the last chunk: whatever is left
+                    piece += pieces.flush()
+                yield TextChunk(chunk.token_ids, piece, chunk.stats)
+        finally:  # the end, an error, close() or the generator's garbage collection
+            self._busy.release()
 
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, **kwargs) -> SpeculatorResult:
         """:meth:`stream` to the end: the new token ids, their text and the stats."""

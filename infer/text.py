@@ -10,11 +10,23 @@ from .engine import GenerationStats, generate
 from .errors import UserError
 
 
+def check_text(text: str, what: str = "the prompt") -> None:
+    """A :class:`UserError` when ``text`` is not valid Unicode text (a lone surrogate such as
+    ``"\\ud800"``, which JSON and Python strings can hold but no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.start + 1].encode("unicode_escape").decode()
+        raise UserError(f"{what} holds {bad} at character {e.start}, a lone surrogate that is not valid "
+                        "Unicode text: remove it or encode the text as UTF-8") from None
+
+
 def encode_prompt(tokenizer, prompt: str, *, chat: bool | None = None) -> torch.Tensor:
     """Token ids ``[L]`` of ``prompt``: as a single user turn through the chat template when
     ``chat`` (default: when the tokenizer has a template), else the raw text."""
     if not prompt or not prompt.strip():
         raise UserError("the prompt is empty: give some text")
+    check_text(prompt)
     if chat is None:
         chat = getattr(tokenizer, "chat_template", None) is not None
     if chat:

@@ -113,6 +113,32 @@ def build_tree(parents: Sequence[int] | torch.Tensor, device=None) -> Tree:
 # --------------------------------------------------------------------------------------------
 
 
+#: Bounds on tree shapes a user can ask for (presets, JSON files, ``chain:D``, ``dynamic:D,K,N``):
+#: beyond them a tree costs more memory than any verifier could use it for (an ``[N, N]``
+#: ancestor mask per tree; a dynamic tree grows ``1 + D*K*K`` candidates and their mask first).
+MAX_TREE_NODES = 1024
+MAX_TREE_DEPTH = 64
+MAX_TREE_TOP_K = 64
+MAX_TREE_CANDIDATES = 8192
+MAX_TREE_FILE_BYTES = 1 << 20
+
+
+def check_tree_size(depth: int, nodes: int, top_k: int | None = None) -> None:
+    """A ``ValueError`` naming the limit when a tree shape is empty or beyond the bounds above."""
+    for name, value, limit in (("depth", depth, MAX_TREE_DEPTH), ("nodes", nodes, MAX_TREE_NODES),
+                               ("top_k", top_k, MAX_TREE_TOP_K)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"tree {name} must be a positive integer, not {value!r}")
+        if value > limit:
+            raise ValueError(f"tree {name} {value} is beyond the limit of {limit}")
+    if top_k is not None and 1 + depth * top_k * top_k > MAX_TREE_CANDIDATES:
+        raise ValueError(f"a dynamic tree of depth {depth} and top_k {top_k} grows 1 + {depth}*{top_k}*{top_k} = "
+                         f"{1 + depth * top_k * top_k} candidates, beyond the limit of {MAX_TREE_CANDIDATES}: "
+                         f"lower its depth or top_k")
+
+
 @dataclass(frozen=True)
 class StaticTreeSpec:
     """A fixed tree shape, Medusa style.
@@ -125,12 +151,17 @@ class StaticTreeSpec:
     choices: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
+        if not self.choices:
+            raise ValueError("a static tree needs at least one choice (one draft node)")
+        check_tree_size(max(len(c) for c in self.choices), len(self.choices) + 1)
         seen = set(self.choices)
         if len(seen) != len(self.choices):
             raise ValueError("tree choices contain duplicates")
         for c in self.choices:
             if not c or any(r < 0 for r in c):
                 raise ValueError(f"bad tree choice {list(c)}: ranks are non-negative, paths non-empty")
+            if max(c) >= MAX_TREE_TOP_K:
+                raise ValueError(f"bad tree choice {list(c)}: ranks are below the limit of {MAX_TREE_TOP_K}")
             if len(c) > 1 and c[:-1] not in seen:
                 raise ValueError(f"tree choice {list(c)} has no parent {list(c[:-1])}")
 
@@ -162,15 +193,16 @@ class DynamicTreeSpec:
     num_nodes: int = 32
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.top_k < 1 or self.num_nodes < 1:
-            raise ValueError("dynamic tree depth, top_k and num_nodes must be >= 1")
+        check_tree_size(self.depth, self.num_nodes, self.top_k)
 
 
 TreeSpec = StaticTreeSpec | DynamicTreeSpec
 
 
 def chain_spec(depth: int) -> StaticTreeSpec:
-    """A single chain of ``depth`` draft tokens."""
+    """A single chain of ``depth`` draft tokens (``1 <= depth <= MAX_TREE_DEPTH``: checked before
+    the choices are built)."""
+    check_tree_size(depth, depth + 1)
     return StaticTreeSpec(tuple(tuple([0] * d) for d in range(1, depth + 1)))
 
 
@@ -223,6 +255,9 @@ def load_tree_spec(name_or_path: str) -> TreeSpec:
             f"unknown tree {text!r}: give a JSON file, chain:D, dynamic:D,K,N or one of "
             f"{', '.join(list_tree_presets())}"
         )
+    if path.stat().st_size > MAX_TREE_FILE_BYTES:
+        raise UserError(f"tree file {path} is larger than the limit of {MAX_TREE_FILE_BYTES // 1024} KB: give a tree of "
+                        f"at most {MAX_TREE_NODES} nodes")
     try:
         return tree_spec_from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError, AttributeError) as e:

@@ -62,6 +62,24 @@ def context_length(config) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def check_fits(config, total_length: int, what: str = "prompt plus max_new_tokens") -> None:
+    """A one-line :class:`UserError` when ``total_length`` positions exceed the context (or the
+    sliding window) of a model of ``config``: checkable before the model's weights are loaded."""
+    ctx = context_length(config)
+    if ctx is not None and total_length > ctx:
+        raise UserError(
+            f"{what} is {total_length} tokens but the verifier's context is "
+            f"{ctx}: shorten the prompt or lower max_new_tokens"
+        )
+    window = sliding_window(config)
+    if window is not None and total_length > window:
+        raise UserError(
+            f"{what} is {total_length} tokens, beyond the verifier's sliding "
+            f"window of {window}; tree verification with sliding-window attention is only exact "
+            f"inside the window: shorten the prompt or lower max_new_tokens"
+        )
+
+
 class Verifier:
     """Wraps a causal LM for tree verification.
 
@@ -95,19 +113,7 @@ class Verifier:
 
     def check_fits(self, total_length: int) -> None:
         """Refuse, before any work, a generation whose positions exceed what the model handles."""
-        ctx = context_length(self.config)
-        if ctx is not None and total_length > ctx:
-            raise UserError(
-                f"prompt plus max_new_tokens is {total_length} tokens but the verifier's context is "
-                f"{ctx}: shorten the prompt or lower max_new_tokens"
-            )
-        window = sliding_window(self.config)
-        if window is not None and total_length > window:
-            raise UserError(
-                f"prompt plus max_new_tokens is {total_length} tokens, beyond the verifier's sliding "
-                f"window of {window}; tree verification with sliding-window attention is only exact "
-                f"inside the window: shorten the prompt or lower max_new_tokens"
-            )
+        check_fits(self.config, total_length)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> VerifierOutput:

@@ -88,10 +88,16 @@ def _console(*args, env=None):
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
-def test_unreachable_hub_id_is_a_one_line_error():
-    proc = _console("generate", "--verifier", "some-org/not-cached-model", "--prompt", "x", env={"HF_HUB_OFFLINE": "1"})
+@pytest.mark.parametrize("env, message", [
+    ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set"),
+    ({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot be reached"),  # nothing listens on port 9
+])
+def test_unreachable_hub_id_is_a_one_line_error(env, message):
+    """Offline, a Hub id that is not cached fails at once in one line (no minute of retry lines)."""
+    proc = _console("generate", "--verifier", "some-org/not-cached-model", "--prompt", "x", env=env)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("specheads: error: cannot load verifier 'some-org/not-cached-model'")
+    assert proc.stderr.startswith("specheads: error: verifier 'some-org/not-cached-model' is not in the local Hugging "
+                                  "Face cache") and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
 def test_bench_writes_results_and_plot(tmp_path, capsys):

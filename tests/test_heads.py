@@ -185,6 +185,7 @@ def test_hub_roundtrip_without_network(tmp_path, llama, monkeypatch):
     assert url.endswith("me/tiny-eagle3") and calls["repo"] == ("me/tiny-eagle3", False, True)
     assert calls["files"] == ["README.md", "config.json", "model.safetensors"]
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, allow_patterns: str(tmp_path / "hub"))
+    monkeypatch.setattr("heads.io.hub_access", lambda repo_id, what: False)  # a reachable Hub (none is reachable here)
     loaded = load_head("me/tiny-eagle3", verifier=llama)
     with torch.no_grad():
         torch.testing.assert_close(draft_logits(loaded, llama), draft_logits(head, llama))
