@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test lint bench clean gpu-check
+.PHONY: setup demo test lint bench clean gpu-check deepspeed-check
 
 setup: $(VENV)/.installed
 
@@ -43,3 +43,10 @@ clean:
 # end to end) into results/gpu-check/selfcheck.{json,png}; under 6 minutes on one H200.
 gpu-check:
 	python -m infer.cli selfcheck --device cuda --out results/gpu-check
+
+# DeepSpeed ZeRO-2 and ZeRO-3 executed on 2 CPU processes (no GPU needed): the tiny recipe through
+# `accelerate launch` with configs/accelerate/deepspeed-zero{2,3}-cpu.yaml, against a 1-process run of
+# the same global batch, stopped and resumed, then drafting through `specheads generate`; writes
+# runs/deepspeed-check/deepspeed-check.json (about 5 minutes on 2 cores; BENCHMARKS.md has a run).
+deepspeed-check: setup
+	$(BIN)/python -m train.deepspeed_check --stages 2,3 --processes 2 --out runs/deepspeed-check

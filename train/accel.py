@@ -9,12 +9,11 @@ Three things accelerate does not do for this trainer by itself:
   values are filled here from the recipe (micro-batch, accumulation, clipping) and from the
   head's width (ZeRO-3 bucket sizes, which accelerate reads from a ``model.config``);
 * under ZeRO-3 transformers builds every model it loads as empty parameter shards; the frozen
-  verifier must stay whole on each process (:func:`whole_models`).
+  verifier must stay whole on each process (:func:`keep_models_whole`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -26,21 +25,33 @@ def using_deepspeed() -> bool:
 
 
 def accelerator_kwargs() -> dict:
-    """Extra ``Accelerator`` arguments: the gloo process group for DeepSpeed without CUDA."""
+    """Extra ``Accelerator`` arguments: the gloo process group for DeepSpeed without CUDA.
+
+    There DeepSpeed would also compile its shared-memory CPU collectives (a C++ op built with
+    ninja at the first launch: minutes on a small machine, and a crash where no compiler is
+    installed); it is switched off so that gloo carries every collective."""
     if using_deepspeed() and not torch.cuda.is_available():
+        import deepspeed.ops
         from accelerate.utils import InitProcessGroupKwargs
 
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed keeps this dict per process
         return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
     return {}
 
 
-def whole_models(accelerator):
-    """A context in which transformers builds models whole, not as ZeRO-3 shards (a no-op
-    without DeepSpeed): the verifier is frozen, each process needs all of it."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return contextlib.nullcontext()
-    return plugin.zero3_init_context_manager(enable=False)
+def keep_models_whole(accelerator) -> None:
+    """Under DeepSpeed, turn off transformers' ZeRO-3 integration in this process (a no-op
+    otherwise). accelerate registers the DeepSpeed config with transformers whatever
+    ``zero3_init_flag`` says, and under ZeRO-3 transformers then builds every model it loads as
+    empty parameter shards (the frozen verifier failed with ``'weight' must be 2-D``) and runs
+    ``generate`` with ``synced_gpus`` (distillation runs on the main process only, so that would
+    wait for the others forever). The verifier is frozen and needed whole on every process; the
+    draft head, the only thing DeepSpeed trains and partitions, is not a transformers model."""
+    if accelerator.state.deepspeed_plugin is None:
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
 
 
 def fill_deepspeed_config(accelerator, *, batch_size: int, grad_accum: int, max_grad_norm: float, hidden_size: int) -> None:

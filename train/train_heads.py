@@ -33,7 +33,7 @@ from torch import nn
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from heads.io import write_atomic
-from train.accel import accelerator_kwargs, fill_deepspeed_config, using_deepspeed, whole_models
+from train.accel import accelerator_kwargs, fill_deepspeed_config, keep_models_whole, using_deepspeed
 from train.checkpoints import (
     CheckpointWriteError,
     latest_checkpoint,
@@ -247,8 +247,8 @@ def train(cfg: TrainConfig) -> dict:
     set_seed(cfg.seed)
     accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, device {accelerator.device}")
     t_start = time.time()
-    with whole_models(accelerator):  # under ZeRO-3 too: the frozen verifier is not sharded
-        lv = load_verifier(cfg.verifier, device=accelerator.device)
+    keep_models_whole(accelerator)  # under ZeRO-3 too: the frozen verifier is not sharded
+    lv = load_verifier(cfg.verifier, device=accelerator.device)
     model = lv.model.eval()
     model.requires_grad_(False)
 
