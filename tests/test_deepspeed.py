@@ -5,7 +5,10 @@ with output identical to the verifier's own. (`make deepspeed-check` also compar
 uninterrupted runs bit for bit, for both stages.) DeepSpeed is in the dev extras: this runs in CI."""
 
 import json
+import os
+import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -71,8 +74,13 @@ def test_zero2_two_processes_equal_one_process(tmp_path, one_process):
     _assert_drafts_losslessly(out)
 
 
+class _Payload:
+    def __reduce__(self):  # unpickling this creates the marker file (a real attack would run anything)
+        return (open, (os.environ["SPECHEADS_TEST_MARKER"], "w"))
+
+
 @pytest.mark.slow
-def test_zero3_resumed_run_equals_one_process(tmp_path, one_process):
+def test_zero3_resumed_run_equals_one_process(tmp_path, one_process, monkeypatch):
     """ZeRO-3 partitions the head's parameters over the processes: saving must gather them (a
     head saved from shards is empty), and the frozen verifier must not be built as shards."""
     reference, data = one_process
@@ -82,7 +90,12 @@ def test_zero3_resumed_run_equals_one_process(tmp_path, one_process):
     assert "interrupted after step 6" in first.stdout and not (out / "model.safetensors").exists()
     ckpt = out / "checkpoints" / "step_4"
     assert (ckpt / "train_state.json").is_file() and not list(ckpt.glob("custom_checkpoint_*"))
+    marker = tmp_path / "UNPICKLED"
+    monkeypatch.setenv("SPECHEADS_TEST_MARKER", str(marker))  # inherited by the launched processes
+    for name in ("custom_checkpoint_0.pkl", "scheduler.bin"):  # what accelerate would unpickle if registered
+        (ckpt / name).write_bytes(pickle.dumps(_Payload()))
     resumed = launch([*args, "--resume"], stage=3, processes=2)
+    assert not marker.exists()
     assert f"resumed from {ckpt} at step 4" in resumed.stdout
     history = json.loads((out / "train_history.json").read_text())
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
@@ -94,8 +107,6 @@ def test_zero3_resumed_run_equals_one_process(tmp_path, one_process):
 
 
 def test_deepspeed_config_auto_values_come_from_the_recipe():
-    from types import SimpleNamespace
-
     from train.accel import fill_deepspeed_config
 
     def filled(ds, **over):
@@ -111,6 +122,32 @@ def test_deepspeed_config_auto_values_come_from_the_recipe():
     assert zero["stage3_gather_16bit_weights_on_model_save"] is True  # the final save gathers the shards
     with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=8 but the recipe's is 4"):
         filled({"train_micro_batch_size_per_gpu": 8})
+
+
+def test_deepspeed_checkpoints_are_read_with_the_restricted_unpickler(tmp_path, monkeypatch):
+    """DeepSpeed itself loads its checkpoint files with weights_only=False (any code runs); the
+    trainer's engine loads them with weights_only=True and DeepSpeed's plain data classes only."""
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from train.accel import restrict_checkpoint_loading
+
+    marker = tmp_path / "UNPICKLED"
+    monkeypatch.setenv("SPECHEADS_TEST_MARKER", str(marker))
+    torch.save({"optimizer_state_dict": _Payload()}, tmp_path / "evil.pt")
+    TorchCheckpointEngine().load(str(tmp_path / "evil.pt"), map_location="cpu")  # DeepSpeed's own loader...
+    assert marker.exists()  # ...ran the payload: the check below can fail
+    marker.unlink()
+    engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
+    restrict_checkpoint_loading(engine)
+    with pytest.raises(pickle.UnpicklingError):
+        engine.checkpoint_engine.load(str(tmp_path / "evil.pt"), map_location="cpu")
+    assert not marker.exists()
+    torch.save({"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0), "t": torch.ones(2)}, tmp_path / "ok.pt")
+    state = engine.checkpoint_engine.load(str(tmp_path / "ok.pt"), map_location=lambda storage, loc: storage)
+    assert state["zero_stage"] == ZeroStageEnum.gradients and state["loss_scaler"].cur_scale == 1.0
 
 
 def test_shipped_deepspeed_configs():

@@ -84,3 +84,27 @@ def fill_deepspeed_config(accelerator, *, batch_size: int, grad_accum: int, max_
             zero[key] = value
     if int(zero.get("stage", 0)) == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+
+
+def deepspeed_checkpoint_classes() -> list[type]:
+    """The plain-data classes DeepSpeed's ZeRO checkpoints hold besides tensors, containers and
+    numbers (found by loading ZeRO-2/3 checkpoints with ``weights_only=True``)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def restrict_checkpoint_loading(engine) -> None:
+    """Make a DeepSpeed engine read its checkpoint files (torch pickles, which DeepSpeed loads with
+    ``weights_only=False``, i.e. able to run any code) with torch's restricted unpickler:
+    tensors, containers, numbers and :func:`deepspeed_checkpoint_classes` only; anything else in
+    the file is refused (``pickle.UnpicklingError``) before it can run."""
+    classes = deepspeed_checkpoint_classes()
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(classes):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = load

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle  # only for its error type: nothing is unpickled here
 import shutil
 import sys
 import time
@@ -33,7 +34,13 @@ from torch import nn
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from heads.io import write_atomic
-from train.accel import accelerator_kwargs, fill_deepspeed_config, keep_models_whole, using_deepspeed
+from train.accel import (
+    accelerator_kwargs,
+    fill_deepspeed_config,
+    keep_models_whole,
+    restrict_checkpoint_loading,
+    using_deepspeed,
+)
 from train.checkpoints import (
     CheckpointWriteError,
     latest_checkpoint,
@@ -293,6 +300,8 @@ def train(cfg: TrainConfig) -> dict:
         raise ConfigError(str(e)) from None
     scheduler = lr_scheduler(optimizer, cfg)
     joint, optimizer = accelerator.prepare(joint, optimizer)
+    if using_deepspeed():
+        restrict_checkpoint_loading(joint)  # --resume reads DeepSpeed's pickles with torch's restricted unpickler
     unwrapped = accelerator.unwrap_model(joint)
     head = unwrapped.head
     verifier = unwrapped.frozen_or_adapted_verifier
@@ -308,7 +317,7 @@ def train(cfg: TrainConfig) -> dict:
     if saved is not None:
         try:
             state = load_checkpoint(accelerator, joint, optimizer, saved)
-        except (OSError, ValueError, SafetensorError) as e:
+        except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:
             raise ConfigError(f"cannot resume from {saved}: {str(e).splitlines()[0]}") from None
         step, history = state["step"], state.get("history", [])
         scheduler = lr_scheduler(optimizer, cfg, step)
