@@ -155,3 +155,21 @@ def test_really_full_disk_is_one_line(tmp_path, distilled, capsys):
         assert list(ckpts.iterdir()) == []  # nothing half-written left behind
     finally:
         subprocess.run(["umount", str(ckpts)], check=True)
+
+
+@pytest.mark.parametrize("head_type, optimizer", [("medusa2", "adamw"), ("medusa", "sgd")])
+def test_resume_equals_uninterrupted_for_lora_and_sgd(tmp_path, distilled, head_type, optimizer):
+    """Medusa-2's checkpoint holds the verifier's LoRA adapters beside the head; SGD's optimizer
+    state is empty: both resume to the uninterrupted run's weights, bit for bit."""
+    over = {"head_type": head_type, "optimizer": optimizer, "medusa_num_heads": 2, "lr": 1e-2}
+    train(load_config(RECIPE, _args(distilled, tmp_path / "full", **over)))
+    train(load_config(RECIPE, _args(distilled, tmp_path / "cut", interrupt_after=3, **over)))
+    saved = load_file(str(tmp_path / "cut" / "checkpoints" / "step_2" / "trainable.safetensors"))
+    assert any("lora_" in k for k in saved) == (head_type == "medusa2")
+    assert main(["--config", str(RECIPE), "--resume", *_args(distilled, tmp_path / "cut", **{k: str(v) for k, v in over.items()})]) == 0
+    a, b = load_file(str(tmp_path / "cut" / "model.safetensors")), load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    if head_type == "medusa2":
+        ad = load_file(str(tmp_path / "cut" / "adapter" / "adapter_model.safetensors"))
+        bd = load_file(str(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))
+        assert ad.keys() == bd.keys() and all(torch.equal(ad[k], bd[k]) for k in bd)
