@@ -89,10 +89,11 @@ def test_zero3_resumed_run_equals_one_process(tmp_path, one_process, monkeypatch
     first = launch([*args, "interrupt_after=6"], stage=3, processes=2)
     assert "interrupted after step 6" in first.stdout and not (out / "model.safetensors").exists()
     ckpt = out / "checkpoints" / "step_4"
-    assert (ckpt / "train_state.json").is_file() and not list(ckpt.glob("custom_checkpoint_*"))
+    assert (ckpt / "train_state.json").is_file() and not list(ckpt.glob("*.pkl"))  # no accelerate pickles
+    assert sorted(p.name for p in ckpt.glob("rng_*")) == ["rng_0.safetensors", "rng_1.safetensors"]
     marker = tmp_path / "UNPICKLED"
     monkeypatch.setenv("SPECHEADS_TEST_MARKER", str(marker))  # inherited by the launched processes
-    for name in ("custom_checkpoint_0.pkl", "scheduler.bin"):  # what accelerate would unpickle if registered
+    for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "scheduler.bin"):  # what accelerate would unpickle
         (ckpt / name).write_bytes(pickle.dumps(_Payload()))
     resumed = launch([*args, "--resume"], stage=3, processes=2)
     assert not marker.exists()

@@ -12,7 +12,8 @@ and skipped). Without DeepSpeed it holds only:
 * ``train_state.json``: the step (the LR schedule is rebuilt from it), the loss history.
 
 Reading one back never unpickles anything (safetensors and JSON only). Under DeepSpeed the
-engine writes and reads its own files instead (see :func:`save_deepspeed` in ``train_heads``).
+engine writes and reads its own files (``pytorch_model/``: torch pickles, read with torch's
+restricted unpickler, ``train/accel.py``) in place of the first two.
 """
 
 from __future__ import annotations
@@ -126,11 +127,23 @@ def set_rng_state(states: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+def write_rng(directory: Path, rank: int) -> None:
+    """This process's generator states into ``directory/rng_<rank>.safetensors``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(rng_state(), str(directory / f"rng_{rank}.safetensors"))
+
+
+def read_rng(directory: Path, rank: int) -> None:
+    """Restore what :func:`write_rng` wrote (nothing when the file is absent)."""
+    rng = directory / f"rng_{rank}.safetensors"
+    if rng.is_file():
+        set_rng_state(load_file(str(rng)))
+
+
 def write_training_state(directory: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          rank: int, main: bool) -> None:
     """Every process writes its generator state; the main process the weights and the optimizer."""
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(rng_state(), str(directory / f"rng_{rank}.safetensors"))
+    write_rng(directory, rank)
     if main:
         save_file(trainable_state(module), str(directory / TRAINABLE))
         tensors, meta = optimizer_to_flat(optimizer.state_dict())
@@ -151,6 +164,4 @@ def read_training_state(directory: Path, module: torch.nn.Module, optimizer: tor
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     optimizer.load_state_dict(optimizer_from_flat(tensors, meta, optimizer.state_dict()))
-    rng = directory / f"rng_{rank}.safetensors"
-    if rng.is_file():
-        set_rng_state(load_file(str(rng)))
+    read_rng(directory, rank)

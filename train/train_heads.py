@@ -45,8 +45,10 @@ from train.checkpoints import (
     CheckpointWriteError,
     latest_checkpoint,
     prune_checkpoints,
+    read_rng,
     read_training_state,
     write_errors,
+    write_rng,
     write_training_state,
 )
 from train.config import ConfigError, TrainConfig, load_config
@@ -187,6 +189,9 @@ def lr_scheduler(optimizer, cfg: TrainConfig, step: int = 0):
     return scheduler
 
 
+DEEPSPEED_TAG = "pytorch_model"  # the engine's checkpoint subdirectory (the name accelerate's save_state gave it)
+
+
 def save_checkpoint(accelerator, joint, optimizer, ckpt_dir: Path, step: int, history: list, keep: int = 0) -> Path:
     """Every process writes its part into ``.tmp-step_N`` (without DeepSpeed: safetensors only,
     ``train/checkpoints.py``; under DeepSpeed: the engine's own files), then the main process
@@ -197,8 +202,9 @@ def save_checkpoint(accelerator, joint, optimizer, ckpt_dir: Path, step: int, hi
     written before are untouched."""
     tmp, final = ckpt_dir / f".tmp-step_{step}", ckpt_dir / f"step_{step}"
     try:
-        if using_deepspeed():
-            accelerator.save_state(str(tmp))  # the engine's files: every process writes its ZeRO shard
+        if using_deepspeed():  # the engine's files (every process writes its ZeRO shard), not accelerate's pickles
+            joint.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG)
+            write_rng(tmp, accelerator.process_index)
         else:
             write_training_state(tmp, accelerator.unwrap_model(joint), optimizer, accelerator.process_index,
                                  accelerator.is_main_process)
@@ -228,8 +234,11 @@ def _reason(e: BaseException) -> str:
 
 def load_checkpoint(accelerator, joint, optimizer, saved: Path) -> dict:
     """Restore a checkpoint written by :func:`save_checkpoint`; returns its ``train_state.json``."""
-    if using_deepspeed():
-        accelerator.load_state(str(saved))  # DeepSpeed's own files (its trust boundary: README)
+    if using_deepspeed():  # the engine's own files, through torch's restricted unpickler (restrict_checkpoint_loading)
+        path, _ = joint.load_checkpoint(str(saved), tag=DEEPSPEED_TAG)
+        if path is None:
+            raise ValueError(f"it holds no complete DeepSpeed checkpoint {saved / DEEPSPEED_TAG}")
+        read_rng(saved, accelerator.process_index)
     else:
         read_training_state(saved, accelerator.unwrap_model(joint), optimizer, accelerator.process_index)
     return json.loads((saved / "train_state.json").read_text())
