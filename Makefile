@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test lint bench clean gpu-check rehearsal
+.PHONY: setup demo test lint bench clean gpu-check rehearsal deepspeed-check
 
 setup: $(VENV)/.installed
 
@@ -56,3 +56,10 @@ GPU_LIMIT ?= 300
 gpu-check:
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$(CURDIR)" timeout $(GPU_LIMIT) \
 		$(PYTHON) -m infer.cli selfcheck --device cuda --out "$(GPU_OUT)"; rc=$$?; rm -rf "$(GPU_OUT)/cli"; exit $$rc
+
+# DeepSpeed ZeRO-2 and ZeRO-3 executed on 2 CPU processes (no GPU needed): the tiny recipe through
+# `accelerate launch` with configs/accelerate/deepspeed-zero{2,3}-cpu.yaml, against a 1-process run of
+# the same global batch, stopped and resumed, then drafting through `specheads generate`; writes
+# runs/deepspeed-check/deepspeed-check.json (about 5 minutes on 2 cores; BENCHMARKS.md has a run).
+deepspeed-check: setup
+	$(BIN)/python -m train.deepspeed_check --stages 2,3 --processes 2 --out runs/deepspeed-check

@@ -152,9 +152,9 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, distilled, uninterrupt
     assert first["interrupted"] and (ckpts / "step_4" / "train_state.json").is_file()
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_4"]  # written under a temporary name, then renamed
     assert not (tmp_path / "killed" / "model.safetensors").exists()
-    torn = ckpts / "step_6"  # newer, but torn: 0-byte optimizer.bin, no train_state.json
+    torn = ckpts / "step_6"  # newer, but torn: 0-byte optimizer state, no train_state.json
     torn.mkdir()
-    (torn / "optimizer.bin").write_bytes(b"")
+    (torn / "optimizer.safetensors").write_bytes(b"")
     (ckpts / ".tmp-step_5").mkdir()
     (ckpts / ".tmp-step_5" / "model.safetensors").write_bytes(b"")
     assert _resume(tmp_path, distilled, "killed") == 0
@@ -164,24 +164,23 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, distilled, uninterrupt
 
 KILLER = """
 import os, signal, sys
-import accelerate
-from train.train_heads import main
+import train.train_heads as th
 
-save_state, calls = accelerate.Accelerator.save_state, [0]
+write, calls = th.write_training_state, [0]
 kill_at, mid_write = int(sys.argv[1]), sys.argv[2] == "mid-write"
 
-def dying_save_state(self, path, *args, **kwargs):
+def dying_write(path, *args, **kwargs):
     calls[0] += 1
     if calls[0] == kill_at and not mid_write:  # between checkpoints: steps done since the last one are lost
         os.kill(os.getpid(), signal.SIGKILL)
-    out = save_state(self, path, *args, **kwargs)
-    if calls[0] == kill_at:  # mid-write: the files are there, optimizer.bin torn, no train_state.json yet
-        open(os.path.join(path, "optimizer.bin"), "wb").close()
+    out = write(path, *args, **kwargs)
+    if calls[0] == kill_at:  # mid-write: the files are there, optimizer torn, no train_state.json yet
+        open(os.path.join(path, "optimizer.safetensors"), "wb").close()
         os.kill(os.getpid(), signal.SIGKILL)
     return out
 
-accelerate.Accelerator.save_state = dying_save_state
-sys.exit(main(sys.argv[3:]))
+th.write_training_state = dying_write
+sys.exit(th.main(sys.argv[3:]))
 """
 
 

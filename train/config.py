@@ -50,6 +50,7 @@ class TrainConfig:
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     # checkpoints, evaluation, logging
     save_every: int = 200
+    keep_checkpoints: int = 3  # keep the newest K resumable checkpoints (0 = keep all)
     eval_every: int = 200
     eval_batches: int = 8
     length_window: int = 0  # sort each run of this many shuffled records by length (less padding); 0 = off
@@ -86,7 +87,7 @@ class TrainConfig:
                     "distill_max_new_tokens", "distill_batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, not {getattr(self, key)}")
-        for key in ("warmup_steps", "max_prompts", "interrupt_after", "length_window", "weight_decay", "max_grad_norm",
+        for key in ("warmup_steps", "max_prompts", "interrupt_after", "keep_checkpoints", "length_window", "weight_decay", "max_grad_norm",
                     "distill_temperature", "eagle1_ce_weight", "medusa2_kl_weight"):
             if not getattr(self, key) >= 0:  # `not >=` also refuses NaN
                 raise ConfigError(f"{key} must be >= 0, not {getattr(self, key)}")

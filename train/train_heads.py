@@ -9,7 +9,9 @@ adapters train); its parameters are never given to the optimizer. The final head
 into ``output_dir`` (``config.json``, ``model.safetensors``, ``README.md``), ready for
 ``specheads generate --draft output_dir``; resumable checkpoints go to ``output_dir/checkpoints``
 (each written as ``.tmp-step_N`` and renamed to ``step_N`` when complete; ``--resume`` takes the
-newest complete one, so a kill mid-write costs only the steps since the one before).
+newest complete one, so a kill mid-write costs only the steps since the one before; the newest
+``keep_checkpoints`` are kept). Nothing in a checkpoint is unpickled (``train/checkpoints.py``),
+except DeepSpeed's own files under DeepSpeed (see the README).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle  # only for its error type: nothing is unpickled here
 import shutil
 import sys
 import time
@@ -28,10 +31,28 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch train/tra
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from heads.io import write_atomic
+from train.accel import (
+    accelerator_kwargs,
+    fill_deepspeed_config,
+    keep_models_whole,
+    restrict_checkpoint_loading,
+    using_deepspeed,
+)
+from train.checkpoints import (
+    CheckpointWriteError,
+    latest_checkpoint,
+    prune_checkpoints,
+    read_rng,
+    read_training_state,
+    write_errors,
+    write_rng,
+    write_training_state,
+)
 from train.config import ConfigError, TrainConfig, load_config
 from train.data import collate, distill, load_prompts, load_records, response_token_counts, split_records
 from train.features import FeatureCache, Features, compute_features
@@ -148,27 +169,81 @@ def _write_json(path: Path, obj) -> None:
     write_atomic(path, lambda p: p.write_text(json.dumps(obj)))
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint ``step_N`` (it has ``train_state.json``, written last);
-    torn ones (killed mid-write) and temporary ``.tmp-*`` directories are skipped."""
-    done = [p for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit() and (p / "train_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The learning-rate multiplier after ``step`` optimizer steps: linear warm-up, then cosine to 10%."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def save_checkpoint(accelerator, ckpt_dir: Path, step: int, history: list) -> Path:
-    """``accelerator.save_state`` (every process writes its part) into ``.tmp-step_N``, then
-    ``train_state.json`` (the step and the history so far), then the main process renames it to
-    ``step_N``: a ``step_N`` directory is always complete."""
+def lr_scheduler(optimizer, cfg: TrainConfig, step: int = 0):
+    """The run's ``LambdaLR``, positioned after ``step`` optimizer steps: on resume it is rebuilt
+    from the step in ``train_state.json`` (never unpickled), with the learning rates an
+    uninterrupted run has at that step."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
+    if step:
+        scheduler.last_epoch = step
+        lrs = [base * lr_factor(cfg, step) for base in scheduler.base_lrs]
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
+    return scheduler
+
+
+DEEPSPEED_TAG = "pytorch_model"  # the engine's checkpoint subdirectory (the name accelerate's save_state gave it)
+
+
+def save_checkpoint(accelerator, joint, optimizer, ckpt_dir: Path, step: int, history: list, keep: int = 0) -> Path:
+    """Every process writes its part into ``.tmp-step_N`` (without DeepSpeed: safetensors only,
+    ``train/checkpoints.py``; under DeepSpeed: the engine's own files), then the main process
+    writes ``train_state.json`` (the step, from which the LR schedule is rebuilt, and the history
+    so far) and renames it to ``step_N``: a ``step_N`` directory is always complete. Then all but
+    the newest ``keep`` checkpoints are deleted (0: none). A failed write (a full disk) removes
+    the temporary directory and raises :class:`CheckpointWriteError` (one line); the checkpoints
+    written before are untouched."""
     tmp, final = ckpt_dir / f".tmp-step_{step}", ckpt_dir / f"step_{step}"
-    accelerator.save_state(str(tmp))
+    try:
+        if using_deepspeed():  # the engine's files (every process writes its ZeRO shard), not accelerate's pickles
+            joint.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG)
+            write_rng(tmp, accelerator.process_index)
+        else:
+            write_training_state(tmp, accelerator.unwrap_model(joint), optimizer, accelerator.process_index,
+                                 accelerator.is_main_process)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _write_json(tmp / "train_state.json", {"step": step, "history": history})
+            if final.exists():  # a torn one from an earlier run
+                shutil.rmtree(final)
+            tmp.rename(final)
+    except write_errors() as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"cannot write checkpoint {final}: {_reason(e)}; free space there and continue "
+                                   f"with --resume (from the last complete checkpoint)") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _write_json(tmp / "train_state.json", {"step": step, "history": history})
-        if final.exists():  # a torn one from an earlier run
-            shutil.rmtree(final)
-        tmp.rename(final)
-    accelerator.wait_for_everyone()
+        prune_checkpoints(ckpt_dir, keep)
     return final
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of a write error; safetensors reports ENOSPC inside a Rust debug string."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "StorageFull" in text or "No space left" in text or getattr(e, "errno", None) == 28:
+        return "no space left on the device"
+    return text
+
+
+def load_checkpoint(accelerator, joint, optimizer, saved: Path) -> dict:
+    """Restore a checkpoint written by :func:`save_checkpoint`; returns its ``train_state.json``."""
+    if using_deepspeed():  # the engine's own files, through torch's restricted unpickler (restrict_checkpoint_loading)
+        path, _ = joint.load_checkpoint(str(saved), tag=DEEPSPEED_TAG)
+        if path is None:
+            raise ValueError(f"it holds no complete DeepSpeed checkpoint {saved / DEEPSPEED_TAG}")
+        read_rng(saved, accelerator.process_index)
+    else:
+        read_training_state(saved, accelerator.unwrap_model(joint), optimizer, accelerator.process_index)
+    return json.loads((saved / "train_state.json").read_text())
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -197,6 +272,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
         log_with=cfg.log_with or None,
         project_dir=str(out),
         step_scheduler_with_optimizer=False,
+        **accelerator_kwargs(),
     )
     set_seed(cfg.seed)
     accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, device {accelerator.device}")
@@ -217,6 +293,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
             raise ConfigError(str(e)) from None
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"cannot read prompts {cfg.prompts}: {e}") from None
+    keep_models_whole(accelerator)  # under ZeRO-3 too: the frozen verifier is not sharded
     lv = load_verifier(cfg.verifier, device=accelerator.device)
     model = lv.model.eval()
     model.requires_grad_(False)
@@ -257,15 +334,15 @@ def _train(cfg: TrainConfig, held: list) -> dict:
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def lr_lambda(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    try:
+        fill_deepspeed_config(accelerator, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
+                              max_grad_norm=cfg.max_grad_norm, hidden_size=head.config.verifier.hidden_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    scheduler = lr_scheduler(optimizer, cfg)
     joint, optimizer = accelerator.prepare(joint, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    if using_deepspeed():
+        restrict_checkpoint_loading(joint)  # --resume reads DeepSpeed's pickles with torch's restricted unpickler
     unwrapped = accelerator.unwrap_model(joint)
     head = unwrapped.head
     verifier = unwrapped.frozen_or_adapted_verifier
@@ -279,9 +356,12 @@ def _train(cfg: TrainConfig, held: list) -> dict:
     accelerator.wait_for_everyone()
     saved = latest_checkpoint(ckpt_dir) if cfg.resume and ckpt_dir.is_dir() else None
     if saved is not None:
-        accelerator.load_state(str(saved))
-        state = json.loads((saved / "train_state.json").read_text())
+        try:
+            state = load_checkpoint(accelerator, joint, optimizer, saved)
+        except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:
+            raise ConfigError(f"cannot resume from {saved}: {str(e).splitlines()[0]}") from None
         step, history = state["step"], state.get("history", [])
+        scheduler = lr_scheduler(optimizer, cfg, step)
         accelerator.print(f"resumed from {saved} at step {step}")
     if cfg.log_with:
         accelerator.init_trackers("specheads", config={k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))})
@@ -366,7 +446,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
         if accelerator.is_main_process and (step % 10 == 0 or step == 1 or evaluated):
             accelerator.print(json.dumps({"step": step, **{k: round(v, 4) for k, v in logs.items()}}))
         if step % cfg.save_every == 0 and step < cfg.max_steps:
-            save_checkpoint(accelerator, ckpt_dir, step, history)
+            save_checkpoint(accelerator, joint, optimizer, ckpt_dir, step, history, cfg.keep_checkpoints)
         if cfg.interrupt_after and step >= cfg.interrupt_after:
             accelerator.print(f"interrupted after step {step} (interrupt_after)")
             accelerator.end_training()
@@ -385,10 +465,14 @@ def _train(cfg: TrainConfig, held: list) -> dict:
             "acceptance": {k[9:]: round(v, 4) for k, v in last_eval.items() if k.startswith("eval_acc_")},
             "tau": round(last_eval.get("eval_tau", 0.0), 3), **cfg.extra,
         }
-        head.save_pretrained(out, **facts)
-        if cfg.head_type == "medusa2":
-            verifier.save_pretrained(str(out / "adapter"))
-        _write_json(out / "train_history.json", history)
+        try:
+            head.save_pretrained(out, **facts)
+            if cfg.head_type == "medusa2":
+                verifier.save_pretrained(str(out / "adapter"))
+            _write_json(out / "train_history.json", history)
+        except write_errors() as e:
+            raise CheckpointWriteError(f"cannot write the trained head into {out}: {_reason(e)}; free space there "
+                                       "and continue with --resume (from the last complete checkpoint)") from None
     accelerator.end_training()
     return {"step": step, "interrupted": False, "history": history, "eval": last_eval, "head": head, "verifier": verifier}
 
@@ -421,6 +505,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("train_heads: interrupted: --resume continues from the last checkpoint", file=sys.stderr)
         return 130
+    except CheckpointWriteError as e:
+        print(f"train_heads: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
