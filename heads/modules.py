@@ -213,4 +213,8 @@ HEAD_CLASSES = {"medusa": MedusaHeads, "eagle1": Eagle1Head, "eagle3": Eagle3Hea
 
 def build_head(config: HeadConfig) -> DraftHead:
     """A freshly initialised head of ``config.head_type``."""
+    if config.head_type == "dflash":
+        from .dflash import DFlashHead  # imports this module: loaded on first use
+
+        return DFlashHead(config)
     return HEAD_CLASSES[config.head_type](config)
