@@ -17,10 +17,10 @@ from infer.drafters import PromptLookupDrafter, UnionDrafter
 from infer.models import tiny_random_model
 
 
-def make_dflash(model, seed=0, block_size=5, vocab=96, layers=2):
+def make_dflash(model, seed=0, block_size=5, vocab=96, layers=2, aux=None):
     spec = VerifierSpec.of(model, model.config.model_type)
     cfg = HeadConfig("dflash", spec, num_layers=layers, draft_vocab_size=vocab, block_size=block_size, mask_token_id=7,
-                     aux_layers=default_dflash_layers(spec.num_layers, 5), layer_config=model.config.to_dict())
+                     aux_layers=aux or default_dflash_layers(spec.num_layers, 5), layer_config=model.config.to_dict())
     torch.manual_seed(seed)
     head = build_head(cfg)
     with torch.no_grad():  # random, non-trivial weights
@@ -181,7 +181,7 @@ def test_export_has_the_fields_vllm_and_sglang_validate(tmp_path, llama):
     from heads.dflash_export import export_dflash
     from infer.cli import main
 
-    head = make_dflash(llama)
+    head = make_dflash(llama, aux=(1,))  # the output of layer 0 (a 2-layer verifier's last layer is not captured)
     head.save_pretrained(tmp_path / "h")
     assert main(["export", "--draft", str(tmp_path / "h"), "--format", "dflash", "--out", str(tmp_path / "x")]) == 0
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
