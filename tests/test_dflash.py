@@ -48,7 +48,7 @@ def test_default_layers_follow_dflash_spread():
 
 def test_save_load_roundtrip_and_bad_configs(tiny_model, tmp_path):
     head = make_dflash(tiny_model)
-    assert isinstance(head, DFlashHead) and all(type(l).__name__ == "Qwen3DecoderLayer" for l in head.layers)
+    assert isinstance(head, DFlashHead) and all(type(layer).__name__ == "Qwen3DecoderLayer" for layer in head.layers)
     head.save_pretrained(tmp_path / "h", steps=2)
     loaded = load_head(tmp_path / "h", verifier=tiny_model)
     for k, v in head.state_dict().items():
@@ -141,7 +141,12 @@ def test_one_head_pass_and_at_most_one_read_per_step(llama):
     for cost, reads in ((None, 1), (VerifyCost((1, 8, 64), (1.0, 1.1, 1.5)), 2)):  # acceptance (+ the chain's cut)
         drafter = BlockDrafter(make_dflash(llama), llama, cost=cost)
         passes = []
-        drafter.head.forward = lambda *a, **k: passes.append(1) or DFlashHead.forward(drafter.head, *a, **k)
+
+        def counted(*a, head=drafter.head, passes=passes, **k):
+            passes.append(1)
+            return DFlashHead.forward(head, *a, **k)
+
+        drafter.head.forward = counted
         per_step, last, steps = [], None, 0
         with HostReadCounter() as counter:
             for _ in stream(llama, drafter, ids, max_new_tokens=20):
