@@ -30,8 +30,8 @@ import inspect
 import torch
 from torch import nn
 
+from .base import DraftHead
 from .config import HeadConfig
-from .modules import DraftHead
 
 #: verifier config keys that size the Qwen3 draft layers (everything else is Qwen3's default)
 _SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
