@@ -162,6 +162,7 @@ V = 8
 PROMPT = torch.tensor([1, 5, 2, 7, 3])
 
 
+@pytest.mark.slow
 def test_sampling_with_the_block_drafter_is_exact():
     """Vocabulary 8, the exact joint distribution of three sampled tokens against 2,500 samples
     drawn with a (random) block drafter whose chains the verifier accepts part of the time."""
