@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-HEAD_TYPES = ("medusa", "eagle1", "eagle3")
+HEAD_TYPES = ("medusa", "eagle1", "eagle3", "dflash")
 #: Bounds on a head's sizes read from a config.json (Medusa uses 4-5 heads of one block).
 MAX_HEADS = 64
 MAX_HEAD_LAYERS = 64
@@ -106,14 +106,16 @@ class HeadConfig:
     """Everything that defines a draft head.
 
     Attributes:
-        head_type: ``medusa``, ``eagle1`` or ``eagle3``.
+        head_type: ``medusa``, ``eagle1``, ``eagle3`` or ``dflash`` (the block drafter).
         verifier: the verifier it was trained for.
         num_heads / num_layers: Medusa heads and residual blocks per head.
         own_lm_head: Medusa: a projection per head (True) or the verifier's LM head (False).
         draft_vocab_size: EAGLE-3: size of the reduced draft vocabulary.
         aux_layers: EAGLE-3: the verifier layers whose *inputs* are fused (HF ``hidden_states``
             indices); default :func:`default_aux_layers` (``(2, N // 2, N - 3)``, made distinct).
-        layer_config: EAGLE: the verifier's config as a dict (builds the draft decoder layer).
+        layer_config: EAGLE, DFlash: the verifier's config as a dict (sizes the draft decoder layers).
+        block_size: DFlash: tokens per block (the root, then ``block_size - 1`` drafted tokens).
+        mask_token_id: DFlash: the verifier vocabulary id whose embedding fills the masked slots.
         training: free-form facts for the model card (data, steps, measured acceptance).
     """
 
@@ -125,6 +127,8 @@ class HeadConfig:
     draft_vocab_size: int = 0
     aux_layers: tuple[int, ...] = ()
     eagle1_input_norm: bool = True  # False for EAGLE-1 checkpoints whose layer has no input norm
+    block_size: int = 0
+    mask_token_id: int = -1
     layer_config: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
 
@@ -150,13 +154,23 @@ class HeadConfig:
                 raise ValueError("eagle3 fuses exactly three verifier layers (aux_layers)")
             if list(self.aux_layers) != sorted(self.aux_layers):
                 raise ValueError("aux_layers must be in ascending order (the order fc reads them, as in vLLM/SGLang)")
+        if self.head_type == "dflash":
+            if not 0 < self.draft_vocab_size <= self.verifier.vocab_size:
+                raise ValueError("dflash needs 0 < draft_vocab_size <= the verifier's vocab size")
+            if self.block_size < 2 or self.num_layers < 1:
+                raise ValueError("dflash needs block_size >= 2 and num_layers >= 1")
+            if not 0 <= self.mask_token_id < self.verifier.vocab_size:
+                raise ValueError("dflash needs 0 <= mask_token_id < the verifier's vocab size")
+            aux = list(self.aux_layers)
+            if not aux or aux != sorted(set(aux)) or aux[0] < 0 or aux[-1] > self.verifier.num_layers:
+                raise ValueError("dflash aux_layers must be distinct hidden_states indices in ascending order")
         if self.head_type == "medusa" and (self.num_heads < 1 or self.num_layers < 1):
             raise ValueError("medusa needs num_heads >= 1 and num_layers >= 1")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The verifier hidden states the head consumes (HF ``hidden_states`` indices)."""
-        return self.aux_layers if self.head_type == "eagle3" else (-1,)
+        return self.aux_layers if self.head_type in ("eagle3", "dflash") else (-1,)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -197,3 +211,18 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     for k in (1, 0):
         aux[k] = min(aux[k], aux[k + 1] - 1)
     return tuple(aux)  # type: ignore[return-value]
+
+
+def default_dflash_layers(num_layers: int, count: int) -> tuple[int, ...]:
+    """The verifier layers a DFlash head reads, as HF ``hidden_states`` indices: the outputs of
+    ``count`` decoder layers spread evenly from layer 1 to layer N - 3 (DFlash's own rule: ids
+    ``round(1 + i (N - 4) / (count - 1))``, layer output ``i`` = ``hidden_states[i + 1]``). Small
+    verifiers take evenly spaced distinct layers over all of them (fewer when N < count)."""
+    n, count = num_layers, max(1, min(count, num_layers))
+    if count == 1:
+        ids = [n // 2]
+    elif n - 4 >= count - 1:
+        ids = [int(round(1 + i * (n - 4) / (count - 1))) for i in range(count)]
+    else:
+        ids = sorted({int(round(i * (n - 1) / (count - 1))) for i in range(count)})
+    return tuple(i + 1 for i in ids)

@@ -57,6 +57,9 @@ def model_card(config: HeadConfig) -> str:
         lines.append(f"| heads x blocks | {config.num_heads} x {config.num_layers} (own LM heads: {config.own_lm_head}) |")
     if config.head_type == "eagle3":
         lines.append(f"| draft vocabulary | {config.draft_vocab_size} tokens; fused layers {list(config.aux_layers)} |")
+    if config.head_type == "dflash":
+        lines.append(f"| block drafter | {config.num_layers} layers, block of {config.block_size}, mask token {config.mask_token_id}, "
+                     f"draft vocabulary {config.draft_vocab_size}; fused layers {list(config.aux_layers)} |")
     known = (("data", "training data"), ("records", "training records"), ("steps", "training steps"),
              ("tokens", "training tokens"), ("wall_time_s", "training wall time (s)"), ("peak_memory_mb", "peak CPU memory of the training process (MB)"),
              ("acceptance", "held-out top-1 acceptance per depth"), ("tau", "estimated tau (chain, from acceptance)"))

@@ -1,4 +1,4 @@
-"""Draft-head architectures: Medusa, EAGLE-1 and EAGLE-3.
+"""Draft-head architectures: Medusa, EAGLE-1 and EAGLE-3 (and the block drafter from :mod:`heads.dflash`).
 
 All heads share one small interface (:class:`DraftHead`): they consume the verifier's features
 (``config.feature_layers``) and produce draft logits for one tree depth. Decoder layers are built
@@ -16,18 +16,9 @@ import inspect
 import torch
 from torch import nn
 
+from .base import DraftHead
 from .config import HeadConfig
-
-
-class DraftHead(nn.Module):
-    """Base class of all heads: holds the :class:`HeadConfig`. Modules only: checkpoints are
-    read and written by :mod:`heads.loading` (``load_head``, ``save_head``), which also gives every
-    head ``save_pretrained``, ``from_pretrained`` and ``push_to_hub``."""
-
-    def __init__(self, config: HeadConfig):
-        super().__init__()
-        self.config = config
-
+from .dflash import DFlashHead
 
 # --------------------------------------------------------------------------------------------
 # Medusa
@@ -208,7 +199,7 @@ class Eagle3Head(_EagleBase):
         return self.lm_head(self.norm(hidden))
 
 
-HEAD_CLASSES = {"medusa": MedusaHeads, "eagle1": Eagle1Head, "eagle3": Eagle3Head}
+HEAD_CLASSES = {"medusa": MedusaHeads, "eagle1": Eagle1Head, "eagle3": Eagle3Head, "dflash": DFlashHead}
 
 
 def build_head(config: HeadConfig) -> DraftHead:

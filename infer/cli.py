@@ -92,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--private", action="store_true")
     pu.add_argument("--token", default=None)
 
-    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (eagle3, medusa), or as a smaller specheads checkpoint (specheads)")
+    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (eagle3, medusa, dflash), or as a smaller specheads checkpoint (specheads)")
     ex.add_argument("--draft", required=True, help="a specheads head checkpoint (directory or Hub id)")
-    ex.add_argument("--format", required=True, choices=("eagle3", "medusa", "specheads"))
+    ex.add_argument("--format", required=True, choices=("eagle3", "medusa", "dflash", "specheads"))
     ex.add_argument("--out", required=True)
     ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ex.add_argument("--verifier", default=None, help="needed for Medusa heads that share the verifier's LM head (default: the one recorded in the head)")
@@ -421,6 +421,10 @@ def cmd_export(args) -> int:
                 shutil.copytree(adapter, out / "adapter", dirs_exist_ok=True)
         elif args.format == "eagle3":
             out = export_eagle3(head, args.out, dtype=dtype)
+        elif args.format == "dflash":
+            from heads.dflash_export import export_dflash
+
+            out = export_dflash(head, args.out, dtype=dtype)
         else:
             from heads.io import resolve
 

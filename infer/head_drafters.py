@@ -378,6 +378,11 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None, *
         PeftModel.from_pretrained(verifier_model, str(adapter)).merge_and_unload()
     if isinstance(head, MedusaHeads):
         return MedusaDrafter(head, verifier_model, tree)
+    if head.config.head_type == "dflash":
+        from .block_drafter import BlockDrafter
+
+        return BlockDrafter(head, verifier_model, tree if isinstance(tree, DynamicTreeSpec) else None, cost,
+                            dtype=draft_dtype(verifier_model, dtype))
     return EagleDrafter(head, verifier_model, tree, cost, dtype=draft_dtype(verifier_model, dtype))
 
 

@@ -51,7 +51,7 @@ def head_state(out_dir) -> dict:
     return load_file(str(Path(out_dir) / "model.safetensors"))
 
 
-@pytest.mark.parametrize("head_type", ["medusa", "eagle1", "eagle3", "medusa2"])
+@pytest.mark.parametrize("head_type", ["medusa", "eagle1", "eagle3", "medusa2", "dflash"])
 def test_training_changes_only_the_head(tmp_path, distilled, head_type):
     res = run(tmp_path, distilled, head_type=head_type, max_steps=12, lr=3e-3, medusa_num_heads=2)
     losses = [h["loss"] for h in res["history"]]
@@ -95,12 +95,13 @@ def test_training_changes_only_the_head(tmp_path, distilled, head_type):
 SGD = {"optimizer": "sgd", "lr": 0.5}
 
 
-@pytest.mark.parametrize("window", [0, 16])
-def test_grad_accumulation_matches_bigger_batch(tmp_path, distilled, window):
+@pytest.mark.parametrize("window, head_type", [(0, "eagle3"), (16, "eagle3"), (16, "dflash")])
+def test_grad_accumulation_matches_bigger_batch(tmp_path, distilled, window, head_type):
     """Also with length-sorted windows (batches of similar lengths): the windows do not depend
-    on the batch size, so both runs see the same records in the same order."""
-    run(tmp_path, distilled, "accum", batch_size=1, grad_accum=4, max_steps=3, length_window=window, **SGD)
-    run(tmp_path, distilled, "big", batch_size=4, grad_accum=1, max_steps=3, length_window=window, **SGD)
+    on the batch size, so both runs see the same records in the same order (and the block
+    drafter's random anchors, drawn per record, are the same blocks)."""
+    run(tmp_path, distilled, "accum", batch_size=1, grad_accum=4, max_steps=3, length_window=window, head_type=head_type, **SGD)
+    run(tmp_path, distilled, "big", batch_size=4, grad_accum=1, max_steps=3, length_window=window, head_type=head_type, **SGD)
     a, b = head_state(tmp_path / "accum"), head_state(tmp_path / "big")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
@@ -160,6 +161,16 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, distilled, uninterrupt
     assert _resume(tmp_path, distilled, "killed") == 0
     assert not (ckpts / ".tmp-step_5").exists()
     _assert_same_run(tmp_path / "killed", uninterrupted)  # steps 1-4 from the checkpoint, then 5-8
+
+
+def test_resume_reproduces_an_uninterrupted_dflash_run(tmp_path, distilled):
+    """The block drafter draws its anchors from the global RNG, which the checkpoint restores:
+    stopped after step 5 and resumed from step 4, it ends bit-identical to an uninterrupted run."""
+    full = run(tmp_path, distilled, "full", head_type="dflash", max_steps=8, save_every=2)
+    first = run(tmp_path, distilled, "killed", head_type="dflash", max_steps=8, save_every=4, interrupt_after=5)
+    assert first["interrupted"]
+    assert _resume(tmp_path, distilled, "killed", head_type="dflash") == 0
+    _assert_same_run(tmp_path / "killed", (full["history"], head_state(tmp_path / "full")))
 
 
 KILLER = """

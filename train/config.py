@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     # what to train, for which verifier
     verifier: str = "default"
-    head_type: str = "eagle3"  # medusa | medusa2 | eagle1 | eagle3
+    head_type: str = "eagle3"  # medusa | medusa2 | eagle1 | eagle3 | dflash
     output_dir: str = "runs/head"
     # data: distilled JSONL (token ids + loss mask); made from `prompts` first if missing
     data: str = ""
@@ -74,23 +74,35 @@ class TrainConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     medusa2_kl_weight: float = 1.0
+    dflash_layers: int = 2  # the block drafter's decoder layers
+    dflash_block_size: int = 8  # tokens per block: the root, then block_size - 1 drafted
+    dflash_num_features: int = 5  # verifier layers fused (DFlash's spread from layer 1 to N - 3)
+    dflash_anchors: int = 32  # random blocks per sequence and step
+    dflash_decay_gamma: float = 4.0  # block position k weighs exp(-(k - 1) / gamma)
+    dflash_mask_token_id: int = -1  # -1: the least frequent token of the training data
     extra: dict = field(default_factory=dict)  # free-form notes copied into the model card
 
     def __post_init__(self) -> None:
         """Every value, checked before any work (paths: :meth:`check_paths`)."""
-        if self.head_type not in ("medusa", "medusa2", "eagle1", "eagle3"):
-            raise ConfigError(f"head_type must be medusa, medusa2, eagle1 or eagle3, not {self.head_type!r}")
+        if self.head_type not in ("medusa", "medusa2", "eagle1", "eagle3", "dflash"):
+            raise ConfigError(f"head_type must be medusa, medusa2, eagle1, eagle3 or dflash, not {self.head_type!r}")
         if not str(self.verifier).strip():
             raise ConfigError("verifier must not be empty: 'default', tiny-random:<arch>, a model directory or a Hub id")
         for key in ("batch_size", "grad_accum", "max_steps", "save_every", "eval_every", "eval_batches", "ttt_steps",
                     "max_seq_len", "medusa_num_heads", "medusa_num_layers", "draft_vocab_size", "lora_r", "lora_alpha",
-                    "distill_max_new_tokens", "distill_batch_size"):
+                    "distill_max_new_tokens", "distill_batch_size", "dflash_layers", "dflash_num_features", "dflash_anchors"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, not {getattr(self, key)}")
         for key in ("warmup_steps", "max_prompts", "interrupt_after", "keep_checkpoints", "length_window", "weight_decay", "max_grad_norm",
                     "distill_temperature", "eagle1_ce_weight", "medusa2_kl_weight"):
             if not getattr(self, key) >= 0:  # `not >=` also refuses NaN
                 raise ConfigError(f"{key} must be >= 0, not {getattr(self, key)}")
+        if self.dflash_block_size < 2:
+            raise ConfigError(f"dflash_block_size must be >= 2, not {self.dflash_block_size}")
+        if not self.dflash_decay_gamma > 0:
+            raise ConfigError(f"dflash_decay_gamma must be > 0, not {self.dflash_decay_gamma}")
+        if self.dflash_mask_token_id < -1:
+            raise ConfigError(f"dflash_mask_token_id must be a token id or -1 (auto), not {self.dflash_mask_token_id}")
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, not {self.lr}")
         for key in ("eval_fraction", "lora_dropout"):

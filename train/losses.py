@@ -161,3 +161,101 @@ def estimated_tau(metrics: dict) -> float:
         run *= float(a)
         tau += run
     return tau
+
+
+def dflash_anchors(loss_mask: torch.Tensor, lengths: list[int], num_anchors: int, generators=None):
+    """Random block anchors per sequence: positions ``a`` whose next token ``a + 1`` is a
+    response token, up to ``num_anchors`` per row, sorted. ``lengths``: each row's real length.
+    Each row's scores are drawn for its own length (global RNG, or ``generators[r]``), so the
+    anchors of a record do not depend on the batch it is in (accumulation == bigger batch).
+    Returns ``anchors [B, N]`` long (0 where unused) and ``keep [B, N]`` bool."""
+    rows = []
+    for r, n in enumerate(lengths):
+        mask = loss_mask[r, 1:n].bool().cpu()  # [n - 1]: anchor a is valid if token a + 1 is a response token
+        scores = torch.rand(n, generator=generators[r] if generators else None)[: n - 1]
+        cand = torch.nonzero(mask).flatten()
+        if cand.numel() > num_anchors:
+            cand = cand[scores[cand].topk(num_anchors).indices]
+        rows.append(cand.sort().values)
+    n_max = max((c.numel() for c in rows), default=0)
+    anchors = torch.zeros(len(rows), n_max, dtype=torch.long)
+    keep = torch.zeros(len(rows), n_max, dtype=torch.bool)
+    for r, c in enumerate(rows):
+        anchors[r, : c.numel()] = c
+        keep[r, : c.numel()] = True
+    return anchors.to(loss_mask.device), keep.to(loss_mask.device)
+
+
+def dflash_blocks(head, embed, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """All blocks of a batch in one pass: block ``j`` of row ``r`` starts at ``anchors[r, j]``
+    (its token, then mask tokens), sees the fused features ``aux [B, T, F, h]`` at positions before
+    its anchor and its whole block, and no other block. ``embed``: the verifier's input embedding.
+    Returns the head's outputs ``[B, N, bs, h]`` (before the final norm)."""
+    from transformers import DynamicCache
+
+    b, t = input_ids.shape
+    n, bs = anchors.shape[1], head.config.block_size
+    device, dtype = input_ids.device, head.fc.weight.dtype
+    cache = DynamicCache()
+    head.add_context(head.fuse(aux), torch.arange(t, device=device).expand(b, t), causal_mask(t, 0, b, dtype, device), cache)
+    q = n * bs
+    positions = (anchors[:, :, None] + torch.arange(bs, device=device)).reshape(b, q)
+    block = torch.full((b, n, bs), head.config.mask_token_id, dtype=torch.long, device=device)
+    block[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    anchor_q = anchors.repeat_interleave(bs, dim=1)  # [B, Q]
+    sees_context = torch.arange(t, device=device)[None, None, :] < anchor_q[:, :, None]  # [B, Q, T]
+    block_id = torch.arange(q, device=device) // bs
+    same_block = (block_id[:, None] == block_id[None, :]).expand(b, q, q)
+    mask = additive_mask(torch.cat([sees_context, same_block], -1), dtype)
+    return head(embed(block.reshape(b, q)).to(dtype), positions, mask, cache).view(b, n, bs, -1)
+
+
+def dflash_loss(head, verifier, feats: Features, batch, num_anchors: int = 32, gamma: float = 4.0):
+    """DFlash training: per sequence, random anchors ``a`` (:func:`dflash_anchors`); each block
+    holds token ``a`` then mask tokens at positions ``a .. a + bs - 1``, sees the fused verifier
+    features at positions ``< a`` and, non-causally, its own block, and predicts tokens
+    ``a + 1 .. a + bs - 1``. Cross-entropy on the data's tokens (the verifier's own greedy text)
+    over the draft vocabulary, block position ``k`` weighted ``exp(-(k - 1) / gamma)``; a mean per
+    sequence, then over sequences. All blocks of a batch run in one pass (each blind to the others).
+
+    Metrics ``acc_<k>``: at block position ``k``, how often the draft's top-1 is right given that
+    positions ``1 .. k - 1`` were (the chain acceptance: ``estimated_tau`` of them is the mean
+    accepted length + 1); a token outside the draft vocabulary counts as a miss. Training draws
+    anchors from the global RNG; evaluation seeds them by record, so each eval sees the same blocks."""
+    input_ids, loss_mask = batch.input_ids, batch.loss_mask
+    b, t = input_ids.shape
+    device, dtype = input_ids.device, head.fc.weight.dtype
+    bs = head.config.block_size
+    lengths = batch.attention_mask.sum(-1).tolist()
+    gens = None if head.training else [torch.Generator().manual_seed(int(i)) for i in batch.index.tolist()]
+    anchors, keep = dflash_anchors(loss_mask, lengths, num_anchors, gens)
+    n = anchors.shape[1]
+    metrics = {f"acc_{k}": torch.zeros((), device=device) for k in range(1, bs)}
+    if n == 0:
+        return head.fc.weight.sum() * 0.0, metrics
+    out = dflash_blocks(head, verifier.get_input_embeddings(), feats.aux.to(dtype), input_ids, anchors)  # [B, N, bs, h]
+    offsets = torch.arange(bs, device=device)
+    out = out[:, :, 1:]  # [B, N, bs - 1, h]
+    label_pos = anchors[:, :, None] + offsets[1:]  # [B, N, bs - 1]
+    inside = label_pos < torch.tensor(lengths, device=device)[:, None, None]
+    flat = label_pos.clamp(max=t - 1).reshape(b, -1)
+    labels = torch.gather(input_ids, 1, flat).view_as(label_pos)
+    valid = keep[:, :, None] & inside & torch.gather(loss_mask, 1, flat).view_as(label_pos).bool()
+    sel = valid & head.t2d[labels]
+    rows = head.lm_rows(verifier.get_output_embeddings()).detach()
+    logits = head.logits(out[sel], rows)  # [M, Vd]: only where there is a target
+    target = head.draft_index(labels[sel])
+    ce = out.new_zeros(valid.shape, dtype=torch.float32)
+    ce[sel] = F.cross_entropy(logits.float(), target, reduction="none")
+    weight = torch.exp(-torch.arange(bs - 1, device=device, dtype=torch.float32) / gamma) * sel.float()
+    num, den = (ce * weight).sum((1, 2)), weight.sum((1, 2))
+    has = den > 0
+    loss = (num[has] / den[has]).mean() if bool(has.any()) else logits.sum() * 0.0
+    with torch.no_grad():
+        hit = torch.zeros_like(valid)
+        hit[sel] = logits.argmax(-1) == target
+        prefix = torch.cumprod(torch.cat([torch.ones_like(hit[..., :1]), hit], -1).float(), -1)  # [B, N, bs]
+        for k in range(1, bs):
+            asked = (prefix[..., k - 1] * valid[..., k - 1]).sum()
+            metrics[f"acc_{k}"] = (prefix[..., k] * valid[..., k - 1]).sum() / asked.clamp(min=1)
+    return loss, metrics

@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
+from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers, default_dflash_layers
 from heads.io import write_atomic
 from train.accel import (
     accelerator_kwargs,
@@ -56,7 +56,7 @@ from train.checkpoints import (
 from train.config import ConfigError, TrainConfig, load_config
 from train.data import collate, distill, load_prompts, load_records, response_token_counts, split_records
 from train.features import FeatureCache, Features, compute_features
-from train.losses import eagle1_loss, eagle3_loss, estimated_tau, medusa_loss, seq_mean
+from train.losses import dflash_loss, eagle1_loss, eagle3_loss, estimated_tau, medusa_loss, seq_mean
 
 
 class Joint(nn.Module):
@@ -107,20 +107,37 @@ def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
         kwargs = dict(num_heads=cfg.medusa_num_heads, num_layers=cfg.medusa_num_layers, own_lm_head=cfg.medusa_own_lm_head)
     if kind == "eagle3":
         kwargs = dict(draft_vocab_size=min(cfg.draft_vocab_size, spec.vocab_size), aux_layers=default_aux_layers(spec.num_layers))
+    if kind == "dflash":
+        counts = response_token_counts(records, spec.vocab_size)
+        mask_id = cfg.dflash_mask_token_id
+        if mask_id < 0:  # the least frequent response token (the highest id among ties)
+            mask_id = spec.vocab_size - 1 - int(torch.argmin(counts.flip(0)))
+        if mask_id >= spec.vocab_size:
+            raise ConfigError(f"dflash_mask_token_id {mask_id} is outside the verifier's vocabulary ({spec.vocab_size})")
+        kwargs = dict(num_layers=cfg.dflash_layers, draft_vocab_size=min(cfg.draft_vocab_size, spec.vocab_size),
+                      aux_layers=default_dflash_layers(spec.num_layers, cfg.dflash_num_features),
+                      block_size=cfg.dflash_block_size, mask_token_id=mask_id)
     # the architecture only: not where or how this machine loaded the verifier (a local path, GGUF)
     layer_config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "quantization_config")}
     hc = HeadConfig(kind, spec, layer_config=layer_config if kind != "medusa" else {}, **kwargs)
     head = build_head(hc)
-    if kind == "eagle3":  # the most frequent response tokens form the draft vocabulary
+    if kind in ("eagle3", "dflash"):  # the most frequent response tokens form the draft vocabulary
         counts = response_token_counts(records, spec.vocab_size)
         top = torch.topk(counts.float() + torch.arange(spec.vocab_size).flip(0) * 1e-9, hc.draft_vocab_size).indices
         head.set_vocab(top)
+    if kind == "dflash":  # its logits go through the verifier's LM head: start from the scale its final norm gives
+        norm = getattr(model.get_decoder(), "norm", None)
+        if norm is not None:
+            with torch.no_grad():
+                head.norm.weight.copy_(norm(torch.ones(1, spec.hidden_size, dtype=head.norm.weight.dtype)).reshape(-1))
     return head
 
 
 def loss_fn(cfg: TrainConfig, head, verifier, feats, batch):
     if cfg.head_type in ("medusa", "medusa2"):
         return medusa_loss(head, verifier, feats, batch.input_ids, batch.loss_mask, cfg.medusa_decay)
+    if cfg.head_type == "dflash":
+        return dflash_loss(head, verifier, feats, batch, cfg.dflash_anchors, cfg.dflash_decay_gamma)
     if cfg.head_type == "eagle1":
         return eagle1_loss(head, verifier, feats, batch.input_ids, batch.loss_mask, cfg.eagle1_ce_weight)
     return eagle3_loss(head, verifier, feats, batch.input_ids, batch.loss_mask, cfg.ttt_steps, cfg.ttt_decay)
@@ -320,7 +337,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
 
     torch.manual_seed(cfg.seed)
     head = build_draft_head(cfg, model, [records[i] for i in train_idx])
-    aux_layers = head.config.aux_layers if head.config.head_type == "eagle3" else ()
+    aux_layers = head.config.aux_layers if head.config.head_type in ("eagle3", "dflash") else ()
     verifier = model
     if cfg.head_type == "medusa2":
         from peft import LoraConfig, get_peft_model

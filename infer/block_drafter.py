@@ -1,0 +1,125 @@
+"""The block drafter's drafter: one head pass drafts a chain of ``block_size - 1`` tokens.
+
+Per step: the verifier features of the tokens committed since the last step are fused and
+appended to the head's context cache (each layer's keys and values), then one pass over the
+block ``[root, mask, ..., mask]`` gives every drafted position's distribution at once; the
+chain is the top-1 token at each position. The draft is deterministic (no ``q``), so it is
+exact under sampling too, and it merges with prompt lookup's trie (``--draft PATH+pld``).
+
+With a cost curve, the chain is cut where a longer one stops paying: the depth ``d`` that
+maximises ``(1 + sum_j prod_{i<=j} p_i) / cost(d + 1)``, ``p_i`` the head's top-1 probability at
+position ``i`` (one read of ``block_size - 1`` numbers per step; without a cost curve, none).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from heads.dflash import DFlashHead
+from heads.masks import additive_mask
+
+from .cost import cost_summary
+from .drafters import Draft, Drafter, root_only
+from .tree import DynamicTreeSpec, build_tree
+from .verifier import crop_cache
+
+
+class BlockDrafter(Drafter):
+    """Drafts with a :class:`~heads.dflash.DFlashHead` (see the module docstring).
+
+    ``tree``: only its ``depth`` is used (the longest chain; default ``block_size - 1``).
+    ``cost``: a verify-cost curve (:mod:`infer.cost`) that sizes each chain, or None (full
+    depth). ``dtype``: what the head computes in (default: the verifier's)."""
+
+    def __init__(self, head: DFlashHead, verifier_model, tree: DynamicTreeSpec | None = None, cost=None, *,
+                 dtype: torch.dtype | None = None):
+        emb = verifier_model.get_input_embeddings()
+        self.device = emb.weight.device
+        self.dtype = dtype or emb.weight.dtype
+        self.head = head.to(device=self.device, dtype=self.dtype).eval()
+        self.cost = cost
+        self.block_size = head.config.block_size
+        self.feature_layers = head.config.feature_layers
+        self.tree = tree or DynamicTreeSpec(depth=self.block_size - 1, top_k=1, num_nodes=self.block_size)
+        self.embed = emb
+        with torch.inference_mode():
+            self.lm_rows = head.lm_rows(verifier_model.get_output_embeddings()).to(self.dtype)  # [Vd, h]
+            self.vocab = head.target_ids(torch.arange(head.config.draft_vocab_size, device=self.device))  # [Vd]
+            mask = torch.full((self.block_size - 1,), head.config.mask_token_id, dtype=torch.long, device=self.device)
+            self.mask_embeds = emb(mask).to(self.dtype)  # [bs - 1, h]
+        self._chains: dict[int, object] = {}
+        self.cache = DynamicCache()
+        self.length = 0
+        self._pending: list[torch.Tensor] = []
+
+    def begin(self, prompt_ids, features) -> None:
+        self.cache = DynamicCache()
+        self.length = 0
+        self._pending = [features]  # [T, F, h]: the prompt's features, fed at the first proposal
+
+    def update(self, tokens, features) -> None:
+        self._pending.append(features)
+
+    def state(self) -> dict:
+        return {"block_size": self.block_size, "cost": cost_summary(self.cost)}
+
+    def _chain(self, depth: int):
+        if depth not in self._chains:
+            self._chains[depth] = build_tree(list(range(-1, depth)), device=self.device)
+        return self._chains[depth]
+
+    def _catch_up(self) -> None:
+        """Append the fused features of every committed position not yet in the context cache."""
+        feats = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending = []
+        k = feats.shape[0]
+        if k == 0:
+            return
+        context = self.head.fuse(feats.to(self.dtype))  # [k, h]
+        positions = torch.arange(self.length, self.length + k, device=self.device)
+        allowed = torch.ones(k, self.length + k, dtype=torch.bool, device=self.device).tril(diagonal=self.length)
+        self.head.add_context(context[None], positions[None], additive_mask(allowed, self.dtype)[None], self.cache)
+        self.length += k
+
+    def _depth(self, top_p: torch.Tensor, depth: int) -> int:
+        """The chain depth that pays best under the cost curve (one read of ``top_p [depth]``)."""
+        if self.cost is None:
+            return depth
+        run, expected, best, best_gain = 1.0, 1.0, 0, 1.0 / self.cost(1)
+        for d, p in enumerate(top_p.tolist(), start=1):
+            run *= p
+            expected += run
+            gain = expected / self.cost(d + 1)
+            if gain > best_gain:
+                best, best_gain = d, gain
+        return best
+
+    @torch.inference_mode()
+    def block_logits(self, root: int) -> torch.Tensor:
+        """One head pass over ``[root, mask, ...]`` after the committed context -> the draft
+        logits at block positions ``1 .. block_size - 1``, ``[bs - 1, Vd]`` (the context cache
+        keeps the committed positions only)."""
+        self._catch_up()
+        bs = self.block_size  # the whole block, as trained (its positions see each other)
+        root_t = torch.full((1,), root, dtype=torch.long, device=self.device)
+        embeds = torch.cat([self.embed(root_t).to(self.dtype), self.mask_embeds])  # [bs, h]
+        positions = torch.arange(self.length, self.length + bs, device=self.device)
+        mask = torch.zeros(1, 1, bs, self.length + bs, dtype=self.dtype, device=self.device)  # context + block: all visible
+        out = self.head(embeds[None], positions[None], mask, self.cache)[0]  # [bs, h]
+        crop_cache(self.cache, self.length)
+        return self.head.logits(out[1:], self.lm_rows)
+
+    @torch.inference_mode()
+    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
+        spec = tree or self.tree
+        depth = min(self.block_size - 1, getattr(spec, "depth", self.block_size - 1), max_depth)
+        if depth <= 0:
+            return root_only(root, self.device)
+        logits = self.block_logits(root)[:depth]  # [depth, Vd]
+        top_p, top = torch.softmax(logits.float(), -1).max(-1)
+        depth = self._depth(top_p, depth)
+        if depth == 0:
+            return root_only(root, self.device)
+        root_t = torch.full((1,), root, dtype=torch.long, device=self.device)
+        return Draft(torch.cat([root_t, self.vocab[top[:depth]]]), self._chain(depth))
