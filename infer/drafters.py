@@ -14,13 +14,15 @@ Drafters that need the verifier's hidden states list the layers in ``feature_lay
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
 
 from .cost import DEFAULT_COST, VerifyCost, best_chain_depth, cost_summary
-from .tree import DynamicTreeSpec, Tree, TreeSpec, build_tree
+from .tree import DynamicTreeSpec, Tree, TreeSpec, tree_and_values
 
 
 @dataclass(frozen=True)
@@ -32,26 +34,46 @@ class Draft:
         tree: topology of the ``N`` nodes.
         q: ``[N, V]`` or None: the distribution each node's token was drawn from given its earlier
             siblings (see :func:`infer.accept.sample_accept`); None for deterministic drafts.
+        host: ``(tokens, parents)`` as host tuples when the drafter knows them without reading
+            the device (then merging drafts reads nothing), else None.
     """
 
     tokens: torch.Tensor
     tree: Tree
     q: torch.Tensor | None = None
+    host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def to(self, device) -> Draft:
         """The same draft on ``device`` (asynchronous copies; itself when already there)."""
         if self.tokens.device == torch.device(device):
             return self
+        if self.host is not None and self.q is None:  # rebuilt on the host: one packed copy
+            return host_draft(*self.host, device=device)
         q = self.q.to(device, non_blocking=True) if self.q is not None else None
-        return Draft(self.tokens.to(device, non_blocking=True), self.tree.to(device), q)
+        return Draft(self.tokens.to(device, non_blocking=True), self.tree.to(device), q, self.host)
 
 
-_SINGLE = build_tree([-1])
+def host_draft(tokens: Sequence[int], parents: Sequence[int], device=None) -> Draft:
+    """A deterministic draft built on the host: tokens and parents travel to ``device`` as one
+    packed copy with the tree (:func:`~infer.tree.build_tree`), and stay known on the host."""
+    tokens, parents = tuple(int(t) for t in tokens), tuple(int(p) for p in parents)
+    tree, values = tree_and_values(parents, tokens, device)
+    return Draft(values, tree, host=(tokens, parents))
+
+
+@lru_cache(maxsize=16)
+def _single(device: str) -> Tree:
+    """The one-node tree, made on ``device`` by factory functions (no copy)."""
+    dev = torch.device(device)
+    return Tree(torch.full((1,), -1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                torch.ones(1, 1, dtype=torch.bool, device=dev), 0, 0)
 
 
 def root_only(root: int, device=None) -> Draft:
-    """The trivial draft: just the root (one plain decoding step), on ``device``."""
-    return Draft(torch.tensor([root], dtype=torch.long, device=device), _SINGLE.to(device) if device is not None else _SINGLE)
+    """The trivial draft: just the root (one plain decoding step), on ``device``, made there
+    without a copy from host memory."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return Draft(torch.full((1,), int(root), dtype=torch.long, device=dev), _single(str(dev)), host=((int(root),), (-1,)))
 
 
 class Drafter(ABC):
@@ -147,10 +169,11 @@ class PromptLookupDrafter(Drafter):
         self._append(prompt_ids.tolist())
 
     def update(self, tokens, features=None) -> None:
+        host = tokens.tolist()  # the engine hands over a host tensor: no device read
         if self._last is not None:
             n, depth, trie = self._last
             accepted, node = 0, 0  # how far the committed tokens follow this drafter's own trie
-            for tok in tokens[1:].tolist():
+            for tok in host[1:]:
                 node = trie.get((node, tok))
                 if node is None:
                     break
@@ -158,7 +181,7 @@ class PromptLookupDrafter(Drafter):
             succ, fail = self._stats.get(n, (1.0, 1.0))
             self._stats[n] = (succ + accepted, fail + (accepted < depth))
             self._last = None
-        self._append(tokens.tolist())
+        self._append(host)
 
     def _append(self, toks: list[int]) -> None:
         end = self._len + len(toks)
@@ -225,18 +248,19 @@ class PromptLookupDrafter(Drafter):
                     tokens.append(tok)
                     parents.append(node)
                 node = child
-        tree_ = build_tree(parents)
-        self._last = (n, tree_.depth, trie)
-        return Draft(torch.tensor(tokens, dtype=torch.long), tree_)
+        draft = host_draft(tokens, parents)
+        self._last = (n, draft.tree.max_depth, trie)
+        return draft
 
 
 def merge_drafts(drafts: list[Draft], device=None) -> Draft:
     """The union of deterministic drafts with the same root, as one trie: a path drafted by
     several of them appears once. Nodes keep their order (parents before children). Built on
-    the host (one read of each draft), then placed on ``device`` (default: the first draft's).
+    the host from each draft's ``host`` form (a draft without one is read back), then placed on
+    ``device`` (default: the first draft's) in one packed copy.
 
     ``drafts``: ``k`` drafts of ``[N_i]`` tokens -> a draft of ``<= 1 + sum(N_i - 1)`` tokens."""
-    host = [(d.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
+    host = [d.host if d.host is not None else (d.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
     root = host[0][0][0]
     if any(toks[0] != root for toks, _ in host):
         raise ValueError("drafts to merge must share their root token")
@@ -252,7 +276,7 @@ def merge_drafts(drafts: list[Draft], device=None) -> Draft:
                 parents.append(key[0])
             where[i] = trie[key]
     device = device if device is not None else drafts[0].tokens.device
-    return Draft(torch.tensor(tokens, dtype=torch.long, device=device), build_tree(parents, device=device))
+    return host_draft(tokens, parents, device)
 
 
 class UnionDrafter(Drafter):
@@ -277,7 +301,12 @@ class UnionDrafter(Drafter):
         if features is None or not d.feature_layers:
             return None
         idx = [self.feature_layers.index(x) for x in d.feature_layers]
-        return features[:, idx]
+        if idx == list(range(idx[0], idx[0] + len(idx))):  # a slice: no index tensor to copy
+            return features[:, idx[0] : idx[0] + len(idx)]
+        index = torch.empty(len(idx), dtype=torch.long, device=features.device)
+        for i, j in enumerate(idx):
+            index[i] = j  # fills: no copy from host memory
+        return features.index_select(1, index)
 
     def begin(self, prompt_ids, features) -> None:
         for d in self.drafters:
