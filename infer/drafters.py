@@ -219,21 +219,28 @@ class PromptLookupDrafter(Drafter):
         return found
 
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
+        tokens, parents = self.propose_host(root, tree=tree, max_depth=max_depth)
+        return host_draft(tokens, parents) if len(tokens) > 1 else root_only(root)
+
+    def propose_host(self, root, *, tree=None, max_depth=8) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """:meth:`propose` on the host: the draft's ``(tokens, parents)`` (just the root when
+        nothing is drafted), no tensor made; a union merges it without copying it first."""
         depth, budget, branches = _budget(tree or self.tree)
         depth = min(depth, max_depth)
+        nothing = ((int(root),), (-1,))
         if depth <= 0:
-            return root_only(root)
+            return nothing
         found = self.continuations(root, depth, branches)
         if not found:
-            return root_only(root)
+            return nothing
         n = found[0][0]
         if self.adaptive:
             depth = best_chain_depth(self.acceptance(n), depth, self.cost)
             if depth == 0:  # not worth drafting; drift back toward the prior so we try again later
                 succ, fail = self._stats.get(n, (1.0, 1.0))
                 self._stats[n] = (0.95 * succ + 0.05, 0.95 * fail + 0.05)
-                return root_only(root)
-        tokens, parents = [root], [-1]
+                return nothing
+        tokens, parents, depths = [int(root)], [-1], [0]
         trie: dict[tuple[int, int], int] = {}
         for _, cont in found:
             cont = cont[:depth]
@@ -247,10 +254,10 @@ class PromptLookupDrafter(Drafter):
                     trie[(node, tok)] = child
                     tokens.append(tok)
                     parents.append(node)
+                    depths.append(depths[node] + 1)
                 node = child
-        draft = host_draft(tokens, parents)
-        self._last = (n, draft.tree.max_depth, trie)
-        return draft
+        self._last = (n, max(depths), trie)
+        return tuple(tokens), tuple(parents)
 
 
 def merge_drafts(drafts: list[Draft], device=None) -> Draft:
@@ -261,12 +268,18 @@ def merge_drafts(drafts: list[Draft], device=None) -> Draft:
 
     ``drafts``: ``k`` drafts of ``[N_i]`` tokens -> a draft of ``<= 1 + sum(N_i - 1)`` tokens."""
     host = [d.host if d.host is not None else (d.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
-    root = host[0][0][0]
-    if any(toks[0] != root for toks, _ in host):
+    device = device if device is not None else drafts[0].tokens.device
+    return host_draft(*merge_host(host), device)
+
+
+def merge_host(drafts: list[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[int], list[int]]:
+    """:func:`merge_drafts` on host ``(tokens, parents)`` pairs; returns the merged pair."""
+    root = drafts[0][0][0]
+    if any(toks[0] != root for toks, _ in drafts):
         raise ValueError("drafts to merge must share their root token")
     tokens, parents = [root], [-1]
     trie: dict[tuple[int, int], int] = {}
-    for toks, pars in host:
+    for toks, pars in drafts:
         where = [0] * len(toks)  # node of this draft -> merged node
         for i in range(1, len(toks)):
             key = (where[pars[i]], toks[i])
@@ -275,8 +288,7 @@ def merge_drafts(drafts: list[Draft], device=None) -> Draft:
                 tokens.append(key[1])
                 parents.append(key[0])
             where[i] = trie[key]
-    device = device if device is not None else drafts[0].tokens.device
-    return host_draft(tokens, parents, device)
+    return tokens, parents
 
 
 class UnionDrafter(Drafter):
@@ -323,8 +335,21 @@ class UnionDrafter(Drafter):
         first = self.drafters[0].propose(root, tree=tree, max_depth=max_depth, generator=generator)
         if first.q is not None:
             return first
-        drafts = [first] + [d.propose(root, tree=None, max_depth=max_depth, generator=generator) for d in self.drafters[1:]]
-        drafts = [d for d in drafts if d.q is None and d.tree.num_nodes > 1]
-        if len(drafts) <= 1:  # nothing to merge: no device read
-            return (drafts[0] if drafts else first).to(first.tokens.device)
-        return merge_drafts(drafts, device=first.tokens.device)
+        device = first.tokens.device
+        members = [(first, first.host)] if first.tree.num_nodes > 1 else []  # (draft or None, host form or None)
+        for d in self.drafters[1:]:
+            if hasattr(d, "propose_host"):  # drafted on the host: merged there, copied once
+                form = d.propose_host(root, tree=None, max_depth=max_depth)
+                if len(form[0]) > 1:
+                    members.append((None, form))
+                continue
+            draft = d.propose(root, tree=None, max_depth=max_depth, generator=generator)
+            if draft.q is None and draft.tree.num_nodes > 1:
+                members.append((draft, draft.host))
+        if not members:
+            return first
+        if len(members) == 1:  # nothing to merge: no device read
+            draft, form = members[0]
+            return draft.to(device) if draft is not None else host_draft(*form, device)
+        forms = [form if form is not None else (draft.tokens.tolist(), draft.tree.parents.tolist()) for draft, form in members]
+        return host_draft(*merge_host(forms), device)

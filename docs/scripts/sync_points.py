@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3, help="how many prompts of configs/prompts/unseen.jsonl")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--drafts", default="auto,default,pld", help="--draft specs to count (default verifier)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -79,7 +80,7 @@ def main() -> None:
     else:
         lv = load_verifier(args.verifier)
         model = lv.model
-        makers = {d: (lambda d=d: load_drafter(d, model)) for d in ("auto", "default", "pld")}
+        makers = {d: (lambda d=d: load_drafter(d, model)) for d in args.drafts.split(",")}
         prompts = [encode_prompt(lv.tokenizer, t) for t in texts]
     eos = eos_ids(model, lv.tokenizer)
     rows = []
