@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import Tree
+from .tree import Tree, at
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def _read_back(tokens: torch.Tensor, tree: Tree, end: torch.Tensor, bonus: torch
     """The path from the root to node ``end`` (0-dim) and the ``bonus`` token (0-dim), read to the
     host in one transfer: the only device read of a verify step."""
     n = tree.num_nodes
-    on_path = tree.ancestor_mask[end]  # [N]: ancestors come first in topological order
+    on_path = at(tree.ancestor_mask, end)  # [N]: ancestors come first in topological order
     path = torch.sort(torch.where(on_path, torch.arange(n, device=on_path.device), n)).values  # [N], padded with n
     packed = torch.cat([on_path.sum().view(1), bonus.view(1).to(torch.long), path, tokens.to(path.device)[path.clamp(max=n - 1)]])
     host = packed.tolist()
@@ -91,7 +91,7 @@ def greedy_accept(tokens: torch.Tensor, tree: Tree, target: torch.Tensor) -> Acc
     match = torch.ones(tree.num_nodes, dtype=torch.bool, device=tree.device)
     match[1:] = tokens[1:] == target[tree.parents[1:]]
     best = _deepest_valid(tree, match)
-    return _read_back(tokens, tree, best, target[best])
+    return _read_back(tokens, tree, best, at(target, best))
 
 
 def _sibling_before(tree: Tree) -> torch.Tensor:
@@ -150,12 +150,12 @@ def sample_accept(
     first = ok & ~(before & ok[None, :]).any(-1)  # the first accepted sibling is the one taken
     end = _deepest_valid(tree, first)
     children = (tree.parents == end) & (torch.arange(n, device=dev) > 0)  # all tried and rejected
-    residual = p[end]
+    residual = at(p, end)
     drop = torch.zeros(p.shape[-1] + 1, dtype=torch.bool, device=dev)
     drop[torch.where(children, tokens, p.shape[-1])] = True
     residual = residual.masked_fill(drop[:-1], 0.0)
     total = residual.sum()
-    residual = torch.where(total > 1e-12, residual / total.clamp(min=1e-30), p[end])
+    residual = torch.where(total > 1e-12, residual / total.clamp(min=1e-30), at(p, end))
     bonus = torch.multinomial(residual, 1, generator=generator)[0]
     return _read_back(tokens, tree, end, bonus)
 
@@ -177,19 +177,19 @@ def _sample_accept_q(tokens, tree: Tree, p, q, u, generator) -> Acceptance:
             is_child = (tree.parents == node) & (rank == j) & (idx > 0)
             exists = is_child.any() & ~done & ~moved
             c = torch.where(is_child, idx, 0).max()
-            x = tokens[c]
-            qc = q[c]
-            qx = qc[x]
+            x = at(tokens, c)
+            qc = at(q, c)
+            qx = at(qc, x)
             det = qx <= 0.0  # deterministic candidate: one-hot q
             qx = torch.where(det, 1.0, qx)
-            accept = exists & (u[c] * qx < residual[x])
+            accept = exists & (at(u, c) * qx < at(residual, x))
             reject = exists & ~accept
             onehot = torch.zeros(vocab, device=dev).index_fill_(0, x.view(1), 1.0)
             qvec = torch.where(det, onehot, qc)
             rejected = (residual - qvec).clamp(min=0.0)
             total = rejected.sum()
-            rejected = torch.where(total > 1e-12, rejected / total.clamp(min=1e-30), p[node])
-            residual = torch.where(accept, p[c], torch.where(reject, rejected, residual))
+            rejected = torch.where(total > 1e-12, rejected / total.clamp(min=1e-30), at(p, node))
+            residual = torch.where(accept, at(p, c), torch.where(reject, rejected, residual))
             node = torch.where(accept, c, node)
             moved = moved | accept
         done = done | ~moved
@@ -226,5 +226,5 @@ def typical_accept(
     ok = torch.ones(tree.num_nodes, dtype=torch.bool, device=probs.device)
     ok[1:] = probs[parents[1:], tokens[1:]] > threshold[parents[1:]]
     best = _deepest_valid(tree, ok)
-    bonus = torch.multinomial(probs[best], 1, generator=generator)[0]
+    bonus = torch.multinomial(at(probs, best), 1, generator=generator)[0]
     return _read_back(tokens, tree, best, bonus)

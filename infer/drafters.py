@@ -14,13 +14,15 @@ Drafters that need the verifier's hidden states list the layers in ``feature_lay
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
 
 from .cost import DEFAULT_COST, VerifyCost, best_chain_depth, cost_summary
-from .tree import DynamicTreeSpec, Tree, TreeSpec, build_tree
+from .tree import DynamicTreeSpec, Tree, TreeSpec, tree_and_values
 
 
 @dataclass(frozen=True)
@@ -32,26 +34,46 @@ class Draft:
         tree: topology of the ``N`` nodes.
         q: ``[N, V]`` or None: the distribution each node's token was drawn from given its earlier
             siblings (see :func:`infer.accept.sample_accept`); None for deterministic drafts.
+        host: ``(tokens, parents)`` as host tuples when the drafter knows them without reading
+            the device (then merging drafts reads nothing), else None.
     """
 
     tokens: torch.Tensor
     tree: Tree
     q: torch.Tensor | None = None
+    host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def to(self, device) -> Draft:
         """The same draft on ``device`` (asynchronous copies; itself when already there)."""
         if self.tokens.device == torch.device(device):
             return self
+        if self.host is not None and self.q is None:  # rebuilt on the host: one packed copy
+            return host_draft(*self.host, device=device)
         q = self.q.to(device, non_blocking=True) if self.q is not None else None
-        return Draft(self.tokens.to(device, non_blocking=True), self.tree.to(device), q)
+        return Draft(self.tokens.to(device, non_blocking=True), self.tree.to(device), q, self.host)
 
 
-_SINGLE = build_tree([-1])
+def host_draft(tokens: Sequence[int], parents: Sequence[int], device=None) -> Draft:
+    """A deterministic draft built on the host: tokens and parents travel to ``device`` as one
+    packed copy with the tree (:func:`~infer.tree.build_tree`), and stay known on the host."""
+    tokens, parents = tuple(int(t) for t in tokens), tuple(int(p) for p in parents)
+    tree, values = tree_and_values(parents, tokens, device)
+    return Draft(values, tree, host=(tokens, parents))
+
+
+@lru_cache(maxsize=16)
+def _single(device: str) -> Tree:
+    """The one-node tree, made on ``device`` by factory functions (no copy)."""
+    dev = torch.device(device)
+    return Tree(torch.full((1,), -1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                torch.ones(1, 1, dtype=torch.bool, device=dev), 0, 0)
 
 
 def root_only(root: int, device=None) -> Draft:
-    """The trivial draft: just the root (one plain decoding step), on ``device``."""
-    return Draft(torch.tensor([root], dtype=torch.long, device=device), _SINGLE.to(device) if device is not None else _SINGLE)
+    """The trivial draft: just the root (one plain decoding step), on ``device``, made there
+    without a copy from host memory."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return Draft(torch.full((1,), int(root), dtype=torch.long, device=dev), _single(str(dev)), host=((int(root),), (-1,)))
 
 
 class Drafter(ABC):
@@ -147,10 +169,11 @@ class PromptLookupDrafter(Drafter):
         self._append(prompt_ids.tolist())
 
     def update(self, tokens, features=None) -> None:
+        host = tokens.tolist()  # the engine hands over a host tensor: no device read
         if self._last is not None:
             n, depth, trie = self._last
             accepted, node = 0, 0  # how far the committed tokens follow this drafter's own trie
-            for tok in tokens[1:].tolist():
+            for tok in host[1:]:
                 node = trie.get((node, tok))
                 if node is None:
                     break
@@ -158,7 +181,7 @@ class PromptLookupDrafter(Drafter):
             succ, fail = self._stats.get(n, (1.0, 1.0))
             self._stats[n] = (succ + accepted, fail + (accepted < depth))
             self._last = None
-        self._append(tokens.tolist())
+        self._append(host)
 
     def _append(self, toks: list[int]) -> None:
         end = self._len + len(toks)
@@ -196,21 +219,28 @@ class PromptLookupDrafter(Drafter):
         return found
 
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
+        tokens, parents = self.propose_host(root, tree=tree, max_depth=max_depth)
+        return host_draft(tokens, parents) if len(tokens) > 1 else root_only(root)
+
+    def propose_host(self, root, *, tree=None, max_depth=8) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """:meth:`propose` on the host: the draft's ``(tokens, parents)`` (just the root when
+        nothing is drafted), no tensor made; a union merges it without copying it first."""
         depth, budget, branches = _trie_limits(tree or self.tree)
         depth = min(depth, max_depth)
+        nothing = ((int(root),), (-1,))
         if depth <= 0:
-            return root_only(root)
+            return nothing
         found = self.continuations(root, depth, branches)
         if not found:
-            return root_only(root)
+            return nothing
         n = found[0][0]
         if self.adaptive:
             depth = best_chain_depth(self.acceptance(n), depth, self.cost)
             if depth == 0:  # not worth drafting; drift back toward the prior so we try again later
                 succ, fail = self._stats.get(n, (1.0, 1.0))
                 self._stats[n] = (0.95 * succ + 0.05, 0.95 * fail + 0.05)
-                return root_only(root)
-        tokens, parents = [root], [-1]
+                return nothing
+        tokens, parents, depths = [int(root)], [-1], [0]
         trie: dict[tuple[int, int], int] = {}
         for _, cont in found:
             cont = cont[:depth]
@@ -224,25 +254,32 @@ class PromptLookupDrafter(Drafter):
                     trie[(node, tok)] = child
                     tokens.append(tok)
                     parents.append(node)
+                    depths.append(depths[node] + 1)
                 node = child
-        tree_ = build_tree(parents)
-        self._last = (n, tree_.max_depth, trie)
-        return Draft(torch.tensor(tokens, dtype=torch.long), tree_)
+        self._last = (n, max(depths), trie)
+        return tuple(tokens), tuple(parents)
 
 
 def merge_drafts(drafts: list[Draft], device=None) -> Draft:
     """The union of deterministic drafts with the same root, as one trie: a path drafted by
     several of them appears once. Nodes keep their order (parents before children). Built on
-    the host (one read of each draft), then placed on ``device`` (default: the first draft's).
+    the host from each draft's ``host`` form (a draft without one is read back), then placed on
+    ``device`` (default: the first draft's) in one packed copy.
 
     ``drafts``: ``k`` drafts of ``[N_i]`` tokens -> a draft of ``<= 1 + sum(N_i - 1)`` tokens."""
-    host = [(d.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
-    root = host[0][0][0]
-    if any(toks[0] != root for toks, _ in host):
+    host = [d.host if d.host is not None else (d.tokens.tolist(), d.tree.parents.tolist()) for d in drafts]
+    device = device if device is not None else drafts[0].tokens.device
+    return host_draft(*merge_host(host), device)
+
+
+def merge_host(drafts: list[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[int], list[int]]:
+    """:func:`merge_drafts` on host ``(tokens, parents)`` pairs; returns the merged pair."""
+    root = drafts[0][0][0]
+    if any(toks[0] != root for toks, _ in drafts):
         raise ValueError("drafts to merge must share their root token")
     tokens, parents = [root], [-1]
     trie: dict[tuple[int, int], int] = {}
-    for toks, pars in host:
+    for toks, pars in drafts:
         where = [0] * len(toks)  # node of this draft -> merged node
         for i in range(1, len(toks)):
             key = (where[pars[i]], toks[i])
@@ -251,8 +288,7 @@ def merge_drafts(drafts: list[Draft], device=None) -> Draft:
                 tokens.append(key[1])
                 parents.append(key[0])
             where[i] = trie[key]
-    device = device if device is not None else drafts[0].tokens.device
-    return Draft(torch.tensor(tokens, dtype=torch.long, device=device), build_tree(parents, device=device))
+    return tokens, parents
 
 
 class UnionDrafter(Drafter):
@@ -293,7 +329,12 @@ class UnionDrafter(Drafter):
         if features is None or not d.feature_layers:
             return None
         idx = [self.feature_layers.index(x) for x in d.feature_layers]
-        return features[:, idx]
+        if idx == list(range(idx[0], idx[0] + len(idx))):  # a slice: no index tensor to copy
+            return features[:, idx[0] : idx[0] + len(idx)]
+        index = torch.empty(len(idx), dtype=torch.long, device=features.device)
+        for i, j in enumerate(idx):
+            index[i] = j  # fills: no copy from host memory
+        return features.index_select(1, index)
 
     def begin(self, prompt_ids, features) -> None:
         for d in self.drafters:
@@ -311,11 +352,23 @@ class UnionDrafter(Drafter):
         if first.q is not None:
             self._warn_q(0, alone=True)
             return first
-        drafts = [first] + [d.propose(root, tree=None, max_depth=max_depth, generator=generator) for d in self.drafters[1:]]
-        for i, d in enumerate(drafts):
-            if d.q is not None:
+        device = first.tokens.device
+        members = [(first, first.host)] if first.tree.num_nodes > 1 else []  # (draft or None, host form or None)
+        for i, d in enumerate(self.drafters[1:], start=1):
+            if hasattr(d, "propose_host"):  # drafted on the host: merged there, copied once
+                form = d.propose_host(root, tree=None, max_depth=max_depth)
+                if len(form[0]) > 1:
+                    members.append((None, form))
+                continue
+            draft = d.propose(root, tree=None, max_depth=max_depth, generator=generator)
+            if draft.q is not None:
                 self._warn_q(i, alone=False)
-        drafts = [d for d in drafts if d.q is None and d.tree.num_nodes > 1]
-        if len(drafts) <= 1:  # nothing to merge: no device read
-            return (drafts[0] if drafts else first).to(first.tokens.device)
-        return merge_drafts(drafts, device=first.tokens.device)
+            elif draft.tree.num_nodes > 1:
+                members.append((draft, draft.host))
+        if not members:
+            return first
+        if len(members) == 1:  # nothing to merge: no device read
+            draft, form = members[0]
+            return draft.to(device) if draft is not None else host_draft(*form, device)
+        forms = [form if form is not None else (draft.tokens.tolist(), draft.tree.parents.tolist()) for draft, form in members]
+        return host_draft(*merge_host(forms), device)

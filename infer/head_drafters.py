@@ -141,9 +141,9 @@ class Gate:
     included; 1.0 = as fast as not drafting). Below 1, drafting pauses for ``backoff`` steps and
     then probes once; every failed probe doubles the pause (up to ``max_backoff``: a head that
     never pays, e.g. when sampling from a broad distribution, costs one probe per 65 steps), a
-    probe that pays resumes drafting. The average lives on the device; it is read once per drafted step."""
+    probe that pays resumes drafting. Kept on the host from host-known counts: it reads nothing."""
 
-    ema: torch.Tensor
+    ema: float
     backoff: int = 1
     skip: int = 0
     max_backoff: int = 64
@@ -151,8 +151,8 @@ class Gate:
     paused: int = 0  # steps it paused drafting for (this generation)
 
     @classmethod
-    def new(cls, device, start: float = 1.2) -> Gate:
-        return cls(torch.full((), start, device=device))
+    def new(cls, device=None, start: float = 1.2) -> Gate:
+        return cls(float(start))
 
     def should_draft(self) -> bool:
         if self.skip > 0:
@@ -161,10 +161,12 @@ class Gate:
             return False
         return True
 
-    def record(self, gain: torch.Tensor) -> None:
-        """One drafted step's ``gain`` (0-dim): a probe after a pause counts on its own."""
-        self.ema = gain.clone() if self.backoff > 1 else (1 - self.alpha) * self.ema + self.alpha * gain
-        if bool(self.ema > 1.0):
+    def record(self, gain: float) -> None:
+        """One drafted step's ``gain`` (a float; a 0-dim tensor is read): a probe after a pause
+        counts on its own."""
+        gain = float(gain)
+        self.ema = gain if self.backoff > 1 else (1 - self.alpha) * self.ema + self.alpha * gain
+        if self.ema > 1.0:
             self.backoff, self.skip = 1, 0
         else:
             self.skip = self.backoff
@@ -231,12 +233,14 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def update(self, tokens, features) -> None:
+        committed = tokens  # the engine hands over a host tensor: reading it waits for nothing
         tokens = tokens.to(self.device, non_blocking=True)
         if self._last is not None:
             draft, key, seconds = self._last
             self._last = None
-            accepted = self._calibration[key].record(draft, tokens)
+            self._calibration[key].record(draft, tokens)
             if self.adaptive and self.cost is not None and getattr(self.cost, "seconds_per_token", None):
+                accepted = _accepted_on_host(draft, committed.tolist())
                 spent = self.cost(draft.tokens.numel()) + seconds / self.cost.seconds_per_token
                 self.gate.record((1.0 + accepted) / spent)
         self._feats.append(features)
@@ -317,7 +321,20 @@ class EagleDrafter(Drafter):
         crop_cache(self.cache, self.length)
         if t.tokens.numel() > 1 or self.adaptive:
             self._last = (t, key, time.perf_counter() - t0)
-        return Draft(t.tokens, t.tree)
+        return Draft(t.tokens, t.tree, host=(t.host_tokens, t.host_parents))
+
+
+def _accepted_on_host(draft: DynamicTree, committed: list[int]) -> int:
+    """How many of ``draft``'s nodes the ``committed`` tokens (its root, then what was accepted,
+    by this draft or another drafter's) follow, from the draft's host form: no device read."""
+    children = {(p, tok): i for i, (p, tok) in enumerate(zip(draft.host_parents, draft.host_tokens))}
+    node, accepted = 0, 0
+    for tok in committed[1:]:
+        node = children.get((node, tok))
+        if node is None:
+            break
+        accepted += 1
+    return accepted
 
 
 def draft_dtype(verifier_model, choice: str | torch.dtype | None = "auto") -> torch.dtype:

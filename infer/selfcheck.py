@@ -16,8 +16,11 @@ Parts (``--parts``, default all):
   small Llama) with a long prompt: HF ``generate`` tokens/s; the engine with no draft; oracle
   chains of depth 1/3/5/7 and an oracle 31-node tree, each against its ideal speedup
   ``tau x T(1) / T(n)`` from the verify-cost curve measured in the same run; a random EAGLE-3 head
-  on ``eagle2-32`` and on a 60-node tree (draft ms against verify ms per step, host reads per
-  step); the verify-cost curve for 1..128 nodes at two prefix lengths.
+  on ``eagle2-32`` and on a 60-node tree (draft ms against verify ms per step); for every engine
+  run, the sync points per verify step counted at the dispatch level
+  (:class:`~infer.diagnostics.HostReadCounter`) and, on CUDA, the warnings of one decoding loop
+  under ``torch.cuda.set_sync_debug_mode("warn")`` (``cuda_sync_warnings``); the verify-cost
+  curve for 1..128 nodes at two prefix lengths.
 * ``cli``: the command line end to end on ``random:smollm2-135m`` (``--small``:
   ``tiny-random:llama``): ``distill`` tokens/s at a large batch, ``accelerate launch`` training
   s/step of the EAGLE-3 recipe (bf16 on a GPU), and ``bench --verify-cost``.
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -118,6 +122,21 @@ def _timed(fn, device, repeats: int = 1):
         _sync(device)
         best = min(best, time.perf_counter() - t0)
     return best, result
+
+
+def cuda_sync_warnings(fn):
+    """Run ``fn()`` once under ``torch.cuda.set_sync_debug_mode("warn")``; returns the number of
+    "synchronizing CUDA operation" warnings it raised and ``fn``'s result. The previous mode is
+    restored afterwards, whatever happens."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchronizing" in str(w.message) for w in caught), result
 
 
 def _random_eagle3(model, draft_vocab: int, seed: int = 0):
@@ -227,13 +246,19 @@ def part_speed(device: torch.device, small: bool, record) -> dict:
         try:
             t, out = _timed(lambda: generate(model, make(), ids, max_new_tokens=n_new), device)
             st = out.stats
-            with HostReadCounter() as reads:
-                generate(model, make(), ids, max_new_tokens=min(n_new, 16))
+            with HostReadCounter(device) as reads:  # dispatch-level count of sync points
+                counted = generate(model, make(), ids, max_new_tokens=min(n_new, 16)).stats
+            steps = max(1, counted.verify_steps)
             row = {"tok_s": round(n_new / t, 2), "speedup_vs_hf": round(t_hf / t, 3), "tau": round(st.mean_accepted, 3),
                    "identical": out.token_ids == ref, "nodes_per_step": round(st.tree_nodes / max(1, st.verify_steps), 1),
                    "draft_ms_per_step": round(1e3 * st.draft_s / max(1, st.verify_steps), 3),
                    "verify_ms_per_step": round(1e3 * st.verify_s / max(1, st.verify_steps), 3),
-                   "host_reads": reads.total}
+                   "host_reads": reads.total, "syncs_per_step": round(reads.total / steps, 2),
+                   "syncs_by_kind": dict(reads.counts)}
+            if device.type == "cuda":  # what CUDA itself reports for the same decoding loop
+                warned, st2 = cuda_sync_warnings(lambda: generate(model, make(), ids, max_new_tokens=min(n_new, 16)).stats)
+                row["cuda_sync_warnings"] = warned
+                row["cuda_sync_warnings_per_step"] = round(warned / max(1, st2.verify_steps), 2)
             if ideal_nodes is not None:
                 row["ideal_speedup"] = round(st.mean_accepted / curve(ideal_nodes), 3)
                 row["achieved_over_ideal"] = round(row["speedup_vs_hf"] / row["ideal_speedup"], 3)

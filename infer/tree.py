@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import UserError
@@ -85,8 +87,17 @@ def build_tree(parents: Sequence[int] | torch.Tensor, device=None) -> Tree:
     """Build a :class:`Tree` from a parent vector ``[N]`` (``-1`` for the root, node 0), given
     on the host (a tensor argument is read back). ``device``: where the tree's tensors go.
 
+    Everything is derived on the host and the tree's tensors travel to ``device`` as one packed
+    copy (one host-to-device transfer per tree).
+
     Raises ``ValueError`` unless node 0 is the only root and every parent precedes its child.
     """
+    return tree_and_values(parents, (), device)[0]
+
+
+def tree_and_values(parents: Sequence[int] | torch.Tensor, values: Sequence[int], device=None) -> tuple[Tree, torch.Tensor]:
+    """:func:`build_tree`, and ``values [K]`` (host ints, e.g. the nodes' tokens) as a long tensor
+    on ``device`` that travels in the same copy as the tree."""
     par = [int(p) for p in (parents.tolist() if isinstance(parents, torch.Tensor) else parents)]
     n = len(par)
     if n == 0 or par[0] != -1:
@@ -94,18 +105,23 @@ def build_tree(parents: Sequence[int] | torch.Tensor, device=None) -> Tree:
     for i in range(1, n):
         if not 0 <= par[i] < i:
             raise ValueError(f"node {i} has parent {par[i]}: parents must precede their children")
-    depths = [0] * n
-    kids = [0] * n
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    anc[0, 0] = True
+    depths = np.zeros(n, dtype=np.int64)
+    kids = np.zeros(n, dtype=np.int64)
+    anc = np.zeros((n, n), dtype=np.int64)
+    anc[0, 0] = 1
     for i in range(1, n):
         p = par[i]
         depths[i] = depths[p] + 1
         kids[p] += 1
         anc[i] = anc[p]
-        anc[i, i] = True
-    tree = Tree(torch.tensor(par, dtype=torch.long), torch.tensor(depths, dtype=torch.long), anc, max(depths), max(kids))
-    return tree.to(device) if device is not None else tree
+        anc[i, i] = 1
+    k = len(values)
+    packed = np.concatenate([np.asarray(values, dtype=np.int64).reshape(k), np.asarray(par, dtype=np.int64), depths, anc.reshape(-1)])
+    packed = torch.from_numpy(packed)
+    if device is not None:
+        packed = packed.to(device, non_blocking=True)
+    tree = Tree(packed[k : k + n], packed[k + n : k + 2 * n], packed[k + 2 * n :].view(n, n).bool(), int(depths.max()), int(kids.max()))
+    return tree, packed[:k]
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +296,7 @@ class DynamicTree:
         keys: ``[N]`` float, the calibrated cumulative log-probability the nodes were chosen by
             (equal to ``scores`` without calibration).
         tree: the topology (:class:`Tree`) of the ``N`` nodes.
+        host_tokens, host_parents: ``tokens`` and ``parents`` on the host (read with the budget).
     """
 
     tokens: torch.Tensor
@@ -287,17 +304,33 @@ class DynamicTree:
     scores: torch.Tensor
     keys: torch.Tensor
     tree: Tree
+    host_tokens: tuple[int, ...] | None = None
+    host_parents: tuple[int, ...] | None = None
 
 
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``t[i]`` for a 0-dim index tensor ``i`` without reading it on the host (``t[i]`` itself
+    calls ``item()`` inside ATen, a sync on a GPU): ``t.shape[1:]``, gathered on the device."""
+    return t.index_select(0, i.reshape(1)).squeeze(0)
+
+
 def cost_table(cost, n_max: int, device=None) -> torch.Tensor:
     """``[n_max + 1]`` float: ``cost(max(n, 1))`` for ``n = 0..n_max`` (a verify-cost curve as a
-    tensor, for the budget computations on the drafting device)."""
-    if hasattr(cost, "table"):
-        return cost.table(n_max, device)
-    return torch.tensor([cost(max(n, 1)) for n in range(n_max + 1)], dtype=torch.float32, device=device)
+    tensor, for the budget computations on the drafting device). Written on the device with one
+    fill per value (no copy from host memory), cached per curve."""
+    values = tuple(float(cost(max(n, 1))) for n in range(n_max + 1))
+    return _device_table(values, str(torch.device(device) if device is not None else "cpu"))
+
+
+@lru_cache(maxsize=64)
+def _device_table(values: tuple[float, ...], device: str) -> torch.Tensor:
+    table = torch.empty(len(values), dtype=torch.float32, device=device)
+    for i, v in enumerate(values):
+        table[i] = v  # a fill with the value as its argument: no host-to-device copy
+    return table
 
 
 def _budget(path_probs: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -333,12 +366,12 @@ def _deeper_can_pay(cand_keys: torch.Tensor, frontier_best: torch.Tensor, num_no
     expected = torch.cat([probs.new_ones(1), 1.0 + probs.cumsum(0)])  # n = 1..limit+1
     rates = expected / table[1 : limit + 2]
     nb = rates.argmax()  # n_best - 1
-    displaces = (nb > 0) & (probs[(nb - 1).clamp(min=0)] < best)  # a deeper node could replace a chosen one
+    displaces = (nb > 0) & (at(probs, (nb - 1).clamp(min=0)) < best)  # a deeper node could replace a chosen one
     extra = torch.maximum(probs, best).cumsum(0)  # [limit]: position j adds the node of budget j + 2
-    base = torch.where(nb > 0, extra[(nb - 1).clamp(min=0)], extra.new_zeros(()))
-    bound = expected[nb] + extra - base
+    base = torch.where(nb > 0, at(extra, (nb - 1).clamp(min=0)), extra.new_zeros(()))
+    bound = at(expected, nb) + extra - base
     later = torch.arange(limit, device=top.device) >= nb
-    return displaces | (later & (bound / table[2 : limit + 2] > rates[nb])).any()
+    return displaces | (later & (bound / table[2 : limit + 2] > at(rates, nb))).any()
 
 
 def grow_dynamic_tree(
@@ -382,7 +415,9 @@ def grow_dynamic_tree(
     deeper drafting cannot change the tree and is skipped. The result is the same tree, for fewer
     draft passes.
 
-    Host reads: one per drafted depth (the pruning decision) and one for the budget; none per node.
+    Host reads: one per drafted depth, none per node, no copies: the pruning decision before each
+    depth after the first, and the budget, which also brings the kept tree's tokens and parents to
+    the host (read with the pruning decision that stops drafting, or after the last depth).
     """
     depth = spec.depth if max_depth is None else min(spec.depth, max_depth)
     if device is None:
@@ -395,14 +430,34 @@ def grow_dynamic_tree(
     raw = torch.zeros(capacity, device=device)  # cumulative draft log-probability
     key = torch.zeros(capacity, device=device)  # calibrated: what nodes are chosen by
     anc = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
-    tok[0] = torch.as_tensor(root_token, dtype=torch.long).to(device, non_blocking=True).reshape(())
+    if isinstance(root_token, torch.Tensor):
+        tok[0] = root_token.to(device, non_blocking=True).reshape(())
+    else:
+        tok[0] = int(root_token)  # a fill: no copy
     anc[0, 0] = True
     table = cost_table(cost, spec.num_nodes + 1, device) if cost is not None else None
     frontier = torch.zeros(1, dtype=torch.long, device=device)
     m = 1  # candidates so far (host int: every size below is known without reading the device)
+
+    def selection():
+        """The best nodes overall (ties broken by creation order so parents come first), and the
+        budget's read-out, packed: ``[n, root token, ids, tokens, parents, depths]``."""
+        order = torch.sort(key[1:m], descending=True, stable=True).indices[: spec.num_nodes - 1] + 1  # [L]
+        size = order.numel()
+        budget = _budget(key[order].exp(), table).view(1) if table is not None and size else order.new_full((1,), size + 1)
+        return order, torch.cat([budget, tok[:1], order, tok[order], par[order], dep[order]])
+
+    host = None  # the read-out, once read
     for d in range(depth):
-        if prune and d > 0 and not bool(_deeper_can_pay(key[1:m], key[frontier].max(), spec.num_nodes, table)):
-            break
+        if prune and d > 0:
+            # one read per depth: whether deeper nodes can still pay, together with the tree as
+            # it stands (which is the result when they cannot)
+            order, packed = selection()
+            can_pay = _deeper_can_pay(key[1:m], key[frontier].max(), spec.num_nodes, table)
+            got = torch.cat([can_pay.view(1).long(), packed]).tolist()
+            if not got[0]:
+                host = got[1:]
+                break
         logp = expand(frontier, par[frontier], tok[frontier]).float()  # [k, Vd]
         kids = min(k_max, logp.shape[-1])
         child_lp, child_tok = torch.topk(logp, kids, dim=-1)  # [k, kids], best first
@@ -421,21 +476,27 @@ def grow_dynamic_tree(
         anc[new, new] = True
         frontier = new[torch.sort(key[m : m + count], descending=True, stable=True).indices[:k_max]]
         m += count
-    # keep the best nodes overall; ties broken by creation order so parents come first
-    order = torch.sort(key[1:m], descending=True, stable=True).indices[: spec.num_nodes - 1] + 1
-    deepest = torch.cummax(dep[order], 0).values  # [L]: the deepest node among the best j + 1
-    if order.numel() == 0:
-        n, max_d = 1, 0
-    elif table is not None:
-        budget = _budget(key[order].exp(), table)
-        n, max_d = torch.stack([budget, deepest[(budget - 2).clamp(min=0)]]).tolist()
-        max_d = max_d if n > 1 else 0
-    else:
-        n, max_d = order.numel() + 1, int(deepest[-1])
+    if host is None:
+        order, packed = selection()
+        if order.numel() == 0 and not isinstance(root_token, torch.Tensor):
+            host = [1, int(root_token)]  # nothing drafted: nothing to read
+        else:
+            # the one read of the budget: the node count and the candidates' ids, tokens, parents
+            # and depths, from which the host knows the whole tree (for merging, gating, its shape)
+            host = packed.tolist()
+    size = order.numel()
+    n, root_tok = host[0], host[1]
+    ids, toks, pars, deps = (host[2 + i * size : 2 + (i + 1) * size] for i in range(4))
+    kept_h = sorted(range(n - 1), key=lambda j: (deps[j], ids[j]))  # topological: by depth, then creation
+    index_h = {0: 0} | {ids[j]: i + 1 for i, j in enumerate(kept_h)}
+    host_tokens = [root_tok] + [toks[j] for j in kept_h]
+    host_parents = [-1] + [index_h[pars[j]] for j in kept_h]
+    max_d = max((deps[j] for j in kept_h), default=0)
     kept = order[: n - 1]
     kept = kept[torch.argsort(dep[kept] * m + kept)]  # topological: by depth, then creation
     nodes = torch.cat([kept.new_zeros(1), kept])
     index = torch.zeros(m, dtype=torch.long, device=device).index_copy_(0, nodes, torch.arange(n, device=device))
     parents = torch.where(par[nodes] >= 0, index[par[nodes].clamp(min=0)], -1)
     tree = Tree(parents, dep[nodes], anc[nodes][:, nodes], max_depth=max_d, width=k_max if n > 1 else 0)
-    return DynamicTree(tokens=tok[nodes], parents=parents, scores=raw[nodes], keys=key[nodes], tree=tree)
+    return DynamicTree(tokens=tok[nodes], parents=parents, scores=raw[nodes], keys=key[nodes], tree=tree,
+                       host_tokens=tuple(host_tokens), host_parents=tuple(host_parents))

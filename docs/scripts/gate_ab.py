@@ -11,8 +11,6 @@ import math
 import random
 import sys
 
-import torch
-
 from infer.bench import run_bench
 from infer.head_drafters import EagleDrafter, Gate
 from infer.loading import load_drafter
@@ -30,7 +28,7 @@ class ProbeWindow(Gate):
             self.window += (gain,)
             if len(self.window) < 3:
                 return
-            gain, self.window = torch.stack(self.window).mean(), ()
+            gain, self.window = sum(float(g) for g in self.window) / len(self.window), ()
         super().record(gain)
 
 
@@ -50,7 +48,7 @@ def with_gate(drafter, gate_cls):
 
             def patched(*args, d=d, begin=begin, **kwargs):
                 begin(*args, **kwargs)
-                d.gate = gate_cls(torch.full((), 1.2, device=d.device))
+                d.gate = gate_cls(1.2)
 
             d.begin = patched
     return drafter
