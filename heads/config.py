@@ -103,6 +103,9 @@ class HeadConfig:
             indices); default :func:`default_aux_layers` (``(2, N // 2, N - 3)``, made distinct).
         layer_config: EAGLE: the verifier's config as a dict (builds the draft decoder layer).
         training: free-form facts for the model card (data, steps, measured acceptance).
+        adapter_sha256: Medusa-2: the SHA-256 of ``adapter/adapter_model.safetensors``, the LoRA
+            adapter that loading merges into the verifier. Empty (every other head): loading
+            never changes the verifier, and an ``adapter/`` beside the head is refused.
     """
 
     head_type: str
@@ -115,6 +118,7 @@ class HeadConfig:
     eagle1_input_norm: bool = True  # False for EAGLE-1 checkpoints whose layer has no input norm
     layer_config: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
+    adapter_sha256: str = ""
 
     def __post_init__(self) -> None:
         if self.head_type not in HEAD_TYPES:

@@ -15,6 +15,7 @@ newest complete one, so a kill mid-write costs only the steps since the one befo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
-from heads.io import write_atomic
+from heads.io import ADAPTER, adapter_digest, write_atomic
 from train.config import ConfigError, TrainConfig, load_config
 from train.data import collate, distill, load_prompts, load_records, response_token_counts, split_records
 from train.features import FeatureCache, Features, compute_features
@@ -353,9 +354,10 @@ def train(cfg: TrainConfig) -> dict:
             "acceptance": {k[9:]: round(v, 4) for k, v in last_eval.items() if k.startswith("eval_acc_")},
             "tau": round(last_eval.get("eval_tau", 0.0), 3), **cfg.extra,
         }
+        if cfg.head_type == "medusa2":  # the adapter first; the head's config then declares it (heads.io.verifier_adapter)
+            verifier.save_pretrained(str(out / ADAPTER))
+            head.config = dataclasses.replace(head.config, adapter_sha256=adapter_digest(out))
         head.save_pretrained(out, **facts)
-        if cfg.head_type == "medusa2":
-            verifier.save_pretrained(str(out / "adapter"))
         _write_json(out / "train_history.json", history)
     accelerator.end_training()
     return {"step": step, "interrupted": False, "history": history, "eval": last_eval, "head": head, "verifier": verifier}
