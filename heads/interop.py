@@ -1,6 +1,10 @@
 """Interoperability: export heads in the layouts vLLM and SGLang load, import published ones.
 
-Export formats (rules read from the engines' loaders; ``tests/test_interop.py`` writes them down):
+Export formats (rules read from the engines' loaders; ``tests/test_interop.py`` writes them down;
+every export is a fresh directory swapped into place, :func:`~heads.io.write_directory`):
+
+* ``speculators`` - the ``speculators`` library's EAGLE-3 checkpoint, which vLLM reads natively
+  (:func:`export_speculators`; proven against the library in ``tests/test_speculators.py``).
 
 * ``eagle3`` - one directory for vLLM (``method: eagle3``) and SGLang (``EAGLE3``):
   ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``, one layer, unprefixed
@@ -18,7 +22,8 @@ Export formats (rules read from the engines' loaders; ``tests/test_interop.py`` 
   (or, with ``original_lm_head``, the verifier's LM head once as ``lm_heads.0.weight``).
 
 Imports: our export layouts, EAGLE-3 checkpoints in the published layout (yuhuili/EAGLE3-*,
-SpecForge) and in the ``speculators`` layout (``layers.0.*``, a nested ``transformer_layer_config``),
+SpecForge) and ``speculators`` EAGLE-3 checkpoints (``speculators_model_type`` in ``config.json``;
+the layout alone, ``layers.0.*`` with a nested ``transformer_layer_config``, is recognised too),
 EAGLE-1 checkpoints (``fc.*``, ``layers.0.*``) and FasterDecoding Medusa heads
 (``{head}.{layer}.linear.*``, ``{head}.{n}.weight``). Only safetensors files are read.
 """
