@@ -22,6 +22,7 @@ from heads.interop import SPECULATORS_VERSION, detect_format, export_speculators
 from heads.masks import causal_mask
 from infer import generate, load_drafter
 from infer.cli import main
+from infer.models import tiny_random_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
 sys.path.insert(0, str(FIXTURES))
@@ -170,3 +171,30 @@ def test_live_speculators_round_trip(model, tmp_path):
     (tmp_path / "theirs" / "config.json").write_text(json.dumps(cfg))
     imported = load_head(tmp_path / "theirs", verifier=model)
     assert max_diff(speculators_logits(tmp_path / "theirs", x), our_logits(imported, model, x)) <= 1e-4
+
+
+def test_export_cli_writes_the_verifier_it_loads(model, tmp_path, capsys):
+    """`specheads export --format speculators` loads the verifier (its embedding; the head is checked
+    against it) and names it in speculators_config.verifier."""
+    from infer.models import byte_tokenizer
+
+    vdir = tmp_path / "verifier"
+    model.save_pretrained(vdir)
+    byte_tokenizer().save_pretrained(vdir)
+    out = tmp_path / "spec"
+    assert main(["export", "--draft", str(FIXTURES / "specheads_head"), "--format", "speculators", "--verifier", str(vdir),
+                 "--out", str(out), "--dtype", "fp32", "--speculative-tokens", "5"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(vdir.resolve())
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert torch.equal(load_file(out / "model.safetensors")["embed_tokens.weight"], model.get_input_embeddings().weight)
+    other = tmp_path / "other"
+    verifier_of_another_head = tiny_random_model(
+        "llama", vocab_size=256, hidden_size=32, num_layers=6, seed=5)
+    verifier_of_another_head.save_pretrained(other)
+    byte_tokenizer().save_pretrained(other)
+    capsys.readouterr()
+    assert main(["export", "--draft", str(FIXTURES / "specheads_head"), "--format", "speculators", "--verifier", str(other),
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "trained for verifier" in err.strip().splitlines()[-1] and not (tmp_path / "x").exists()
