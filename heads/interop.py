@@ -394,7 +394,10 @@ def _speculators_config(config: dict, spec: VerifierSpec) -> dict:
     if config.get("target_hidden_size") not in (None, layer.get("hidden_size")):
         raise CheckpointError("this speculators EAGLE-3 head's hidden size differs from its verifier's (target_hidden_size); not supported")
     n = spec.num_layers
-    aux = config.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3]
+    try:
+        aux = [int(i) for i in config.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3]]
+    except (TypeError, ValueError):
+        raise CheckpointError("eagle_aux_hidden_state_layer_ids in this speculators config.json must be a list of integers") from None
     if len(aux) != 3 or len(set(aux)) != 3 or min(aux) < 0 or max(aux) >= n:
         raise CheckpointError(
             f"this speculators EAGLE-3 head fuses verifier layers {list(aux)}: specheads needs three distinct inputs of "
