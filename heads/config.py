@@ -117,6 +117,9 @@ class HeadConfig:
         block_size: DFlash: tokens per block (the root, then ``block_size - 1`` drafted tokens).
         mask_token_id: DFlash: the verifier vocabulary id whose embedding fills the masked slots.
         training: free-form facts for the model card (data, steps, measured acceptance).
+        adapter_sha256: Medusa-2: the SHA-256 of ``adapter/adapter_model.safetensors``, the LoRA
+            adapter that loading merges into the verifier. Empty (every other head): loading
+            never changes the verifier, and an ``adapter/`` beside the head is refused.
     """
 
     head_type: str
@@ -131,6 +134,7 @@ class HeadConfig:
     mask_token_id: int = -1
     layer_config: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
+    adapter_sha256: str = ""
 
     def __post_init__(self) -> None:
         if self.head_type not in HEAD_TYPES:

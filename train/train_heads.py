@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers, default_dflash_layers
-from heads.io import write_atomic
+from heads.io import ADAPTER, adapter_digest, write_atomic
 from train.accel import (
     accelerator_kwargs,
     fill_deepspeed_config,
@@ -483,9 +483,10 @@ def _train(cfg: TrainConfig, held: list) -> dict:
             "tau": round(last_eval.get("eval_tau", 0.0), 3), **cfg.extra,
         }
         try:
+            if cfg.head_type == "medusa2":  # the adapter first; the head's config then declares it (heads.io.verifier_adapter)
+                verifier.save_pretrained(str(out / ADAPTER))
+                head.config = dataclasses.replace(head.config, adapter_sha256=adapter_digest(out))
             head.save_pretrained(out, **facts)
-            if cfg.head_type == "medusa2":
-                verifier.save_pretrained(str(out / "adapter"))
             _write_json(out / "train_history.json", history)
         except write_errors() as e:
             raise CheckpointWriteError(f"cannot write the trained head into {out}: {_reason(e)}; free space there "
