@@ -48,7 +48,8 @@ class BlockDrafter(Drafter):
             self.vocab = head.target_ids(torch.arange(head.config.draft_vocab_size, device=self.device))  # [Vd]
             mask = torch.full((self.block_size - 1,), head.config.mask_token_id, dtype=torch.long, device=self.device)
             self.mask_embeds = emb(mask).to(self.dtype)  # [bs - 1, h]
-        self._chains: dict[int, object] = {}
+        # every chain the drafter can propose, copied to the device once here, not during a step
+        self._chains = {d: build_tree(list(range(-1, d)), device=self.device) for d in range(1, self.block_size)}
         self.cache = DynamicCache()
         self.length = 0
         self._pending: list[torch.Tensor] = []
@@ -63,11 +64,6 @@ class BlockDrafter(Drafter):
 
     def state(self) -> dict:
         return {"block_size": self.block_size, "cost": cost_summary(self.cost)}
-
-    def _chain(self, depth: int):
-        if depth not in self._chains:
-            self._chains[depth] = build_tree(list(range(-1, depth)), device=self.device)
-        return self._chains[depth]
 
     def _catch_up(self) -> None:
         """Append the fused features of every committed position not yet in the context cache."""
@@ -122,4 +118,4 @@ class BlockDrafter(Drafter):
         if depth == 0:
             return root_only(root, self.device)
         root_t = torch.full((1,), root, dtype=torch.long, device=self.device)
-        return Draft(torch.cat([root_t, self.vocab[top[:depth]]]), self._chain(depth))
+        return Draft(torch.cat([root_t, self.vocab[top[:depth]]]), self._chains[depth])

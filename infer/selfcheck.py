@@ -302,7 +302,8 @@ def part_cli(device: torch.device, small: bool, out: Path, prompts: Path, record
     d = _cli(["distill", "--verifier", verifier, "--device", str(device), "--prompts", str(prompts), "--out", str(data),
               "--limit", str(n_prompts), "--batch-size", str(batch), "--max-new-tokens", str(n_new)], 600)
     secs = time.perf_counter() - t0
-    tokens = sum(sum(json.loads(line)["loss_mask"]) for line in data.read_text().splitlines()) if data.exists() else 0
+    rows = [json.loads(line) for line in data.read_text().splitlines()] if data.exists() else []
+    tokens = sum(sum(r["loss_mask"]) for r in rows if "loss_mask" in r)  # the first line is the data's header
     res["distill"] = {**d, "prompts": n_prompts, "batch": batch, "response_tokens": tokens,
                       "response_tok_s": round(tokens / secs, 1) if tokens else None}
     record(res)

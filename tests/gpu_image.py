@@ -136,11 +136,13 @@ for name in ("datasets", "gguf"):
         out[name] = "importable"
     except ImportError:
         out[name] = "absent"
-try:
-    md.version("specheads")
-    out["specheads"] = "installed"
-except md.PackageNotFoundError:
-    out["specheads"] = "not installed"
+import os
+root = os.path.realpath(os.getcwd())
+# installed = found outside the tree: the specheads.egg-info that `pip install -e .` leaves in the
+# tree is git-ignored, so the device call (which carries tracked files only) never has it
+found = [d for d in md.distributions() if (d.metadata["Name"] or "").lower() == "specheads"
+         and os.path.realpath(str(d.locate_file(""))) != root]
+out["specheads"] = "installed" if found else "not installed"
 for name in ("torch", "transformers", "accelerate", "huggingface_hub", "peft", "safetensors"):
     out[name] = md.version(name)
 import infer, heads

@@ -201,8 +201,11 @@ def _wait(cond, timeout=120.0) -> bool:
 
 def _launch(tmp_path, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # SIGINT as a terminal's foreground job has it: a shell running the suite in the background
+    # (CI may) hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     return subprocess.Popen([sys.executable, "-P", "-m", "infer.cli", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _records(path: Path) -> int:

@@ -66,7 +66,9 @@ def test_zero2_two_processes_equal_one_process(tmp_path, one_process):
     out = tmp_path / "z2"
     proc = launch(recipe_args(out, STEPS, 4), stage=2, processes=2)  # distils on the main process only
     assert "2 process(es), DistributedType.DEEPSPEED" in proc.stdout  # one process group, not 2 lone ranks
-    ids = [json.loads(line)["id"] for line in (out / "distilled.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "distilled.jsonl").read_text().splitlines()]
+    assert "specheads_distill" in rows[0]  # the header record, then the records
+    ids = [r["id"] for r in rows[1:]]
     assert len(ids) == len(set(ids)) == 96  # distilled once (synthetic:96), by one process
     history = json.loads((out / "train_history.json").read_text())
     assert history[-1]["loss"] < history[0]["loss"]

@@ -138,7 +138,9 @@ def test_one_head_pass_and_at_most_one_read_per_step(llama):
     from infer.diagnostics import HostReadCounter
 
     ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(0))
-    for cost, reads in ((None, 1), (VerifyCost((1, 8, 64), (1.0, 1.1, 1.5)), 2)):  # acceptance (+ the chain's cut)
+    # at the dispatch level: 2 for acceptance (its read back, the accepted tokens' copy) + the chain's
+    # cut under a cost curve (one read of the block's probabilities): within "1 per drafted depth + 2"
+    for cost, reads in ((None, 2), (VerifyCost((1, 8, 64), (1.0, 1.1, 1.5)), 3)):
         drafter = BlockDrafter(make_dflash(llama), llama, cost=cost)
         passes = []
 

@@ -253,16 +253,20 @@ def exact_joint_n(model, n: int, temperature: float = 1.0) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model):
+def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypatch):
     """``auto``'s union (an EAGLE-3 head and prompt lookup) with depth-3 dynamic trees, pruning,
     the gate and an :class:`~infer.cost.OnlineCost` that the engine feeds every verify step (its
     clock replaced by a fixed function of the node count, so that the machine's load cannot
     change which trees are drafted), 8,000 five-token samples against the exact joint of five
-    tokens: the second step may verify three drafted levels."""
+    tokens: the second step may verify three drafted levels. The gate starts each generation at
+    an average gain of 1.0 instead of 1.2, so that one losing step pauses the head: in five tokens
+    the shipped start pauses only on rare samples, and the paused path must be sampled too."""
     from heads import HeadConfig, VerifierSpec, build_head
     from infer.cost import OnlineCost, VerifyCost
     from infer.drafters import PromptLookupDrafter, UnionDrafter
-    from infer.head_drafters import EagleDrafter
+    from infer.head_drafters import EagleDrafter, Gate
+
+    monkeypatch.setattr(Gate, "new", classmethod(lambda cls, device=None, start=1.0: cls(float(start))))
 
     curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.05, 1.15, 1.4, 2.0))
 
