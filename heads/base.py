@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .config import HeadConfig
@@ -16,3 +17,23 @@ class DraftHead(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
+
+
+class DraftVocab:
+    """A reduced draft vocabulary over the verifier's (EAGLE-3, the block drafter): the buffers
+    ``d2t [Vd]`` (draft id -> offset to its verifier id) and ``t2d [V]`` (verifier id kept?), as
+    vLLM and SGLang store them. Mixed into a head that registers both buffers."""
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """Set the draft vocabulary from the target ids it keeps (``[Vd]``, sorted here)."""
+        ids = draft_to_target.to(torch.long).sort().values
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> verifier ids."""
+        return draft_ids + self.d2t[draft_ids]

@@ -30,7 +30,7 @@ import inspect
 import torch
 from torch import nn
 
-from .base import DraftHead
+from .base import DraftHead, DraftVocab
 from .config import HeadConfig
 
 #: verifier config keys that size the Qwen3 draft layers (everything else is Qwen3's default)
@@ -55,7 +55,7 @@ def draft_layers_config(layer_config: dict, num_layers: int):
     return AutoConfig.for_model("qwen3", **d)
 
 
-class DFlashHead(DraftHead):
+class DFlashHead(DraftHead, DraftVocab):
     """The block drafter: ``fc`` + ``hidden_norm`` fuse the context, ``layers`` (Qwen3 decoder
     layers), ``norm``; logits through the verifier's LM-head rows of the draft vocabulary."""
 
@@ -77,17 +77,6 @@ class DFlashHead(DraftHead):
         self._kw = "cache" if "cache" in params else "past_key_values"
 
     # ---- vocabulary ----------------------------------------------------------------------------
-
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """Set the draft vocabulary from the target ids it keeps (``[Vd]``, sorted here)."""
-        ids = draft_to_target.to(torch.long).sort().values
-        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> verifier ids."""
-        return draft_ids + self.d2t[draft_ids]
 
     def draft_index(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Verifier ids -> draft-vocabulary ids (meaningful where ``t2d[target_ids]``)."""

@@ -16,7 +16,7 @@ import inspect
 import torch
 from torch import nn
 
-from .base import DraftHead
+from .base import DraftHead, DraftVocab
 from .config import HeadConfig
 from .dflash import DFlashHead
 
@@ -144,7 +144,7 @@ class Eagle1Head(_EagleBase):
         return out[0] if isinstance(out, tuple) else out
 
 
-class Eagle3Head(_EagleBase):
+class Eagle3Head(_EagleBase, DraftVocab):
     """EAGLE-3: ``fc`` fuses three verifier hidden states (3h -> h); one Llama decoder layer whose
     attention input is ``concat(input_norm(embedding), hidden_norm(hidden))`` (2h); a final norm
     and its own LM head over a reduced draft vocabulary (``d2t``: draft id -> target id offset,
@@ -173,17 +173,6 @@ class Eagle3Head(_EagleBase):
         self.lm_head = nn.Linear(h, vd, bias=False)
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(v, dtype=torch.bool))
-
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """Set the draft vocabulary from the sorted target ids it keeps (``[Vd]``)."""
-        ids = draft_to_target.to(torch.long).sort().values
-        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> verifier ids."""
-        return draft_ids + self.d2t[draft_ids]
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """``aux [B, T, 3, h]`` (the verifier's three hidden states) -> ``[B, T, h]``."""
