@@ -29,3 +29,26 @@ def hf_greedy(model, ids: torch.Tensor, n: int, eos=None) -> list[int]:
         min_new_tokens=0 if eos is not None else n,
     )
     return out[0, ids.numel():].tolist()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Resets accelerate's process-wide state after a test that made an ``Accelerator``."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def run_cli(argv, capsys):
+    """``specheads ARGV`` in this process -> ``(exit code, stdout, stderr)``."""
+    from infer.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

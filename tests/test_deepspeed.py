@@ -26,14 +26,8 @@ STEPS = 8  # a checkpoint at step 4
 ATOL = 2e-5  # float32: 2 processes reduce in another order than 1
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+# accelerate's process-wide state is reset after every test of this file (conftest)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 @pytest.fixture(scope="module")

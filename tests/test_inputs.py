@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
+from conftest import run_cli as run
 from infer import SamplingParams, generate
-from infer.cli import main
 from infer.errors import UserError
 from infer.models import tiny_random_model
 
@@ -23,15 +23,6 @@ def no_loading(monkeypatch):
         raise AssertionError("a verifier was loaded before the arguments were checked")
 
     monkeypatch.setattr("infer.models.load_verifier", refuse)
-
-
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line_error(code, err, message):

@@ -9,23 +9,14 @@ import json
 import pytest
 import torch
 
+from conftest import run_cli as run
 from infer import generate
-from infer.cli import main
 from infer.drafters import Draft, Drafter, NoDrafter, PromptLookupDrafter, UnionDrafter
 from infer.engine import sampling_generator
 from infer.errors import UserError
 from infer.tree import build_tree
 
 PROMPT = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
-
-
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_unseeded_sampling_leaves_the_global_generator_alone(llama):

@@ -22,14 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "tiny-cpu.yaml"
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+# accelerate's process-wide state is reset after every test of this file (conftest)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 @pytest.fixture(scope="module")
