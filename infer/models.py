@@ -303,9 +303,9 @@ def load_verifier(name: str, *, dtype: str | torch.dtype | None = "auto", device
     local directory or a Hub id, on ``device`` in ``dtype`` (see the module docstring).
 
     ``check(config, tokenizer)``, if given, runs as soon as both are known and before the weights
-    load wherever they load separately (a directory, a Hub id, ``random:``; the default verifier's
-    GGUF file gives its config only with its weights): e.g. prompt lengths against the context."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    load (the default verifier's GGUF file too: its metadata is read first): e.g. prompt lengths
+    against the context."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from heads.io import CheckpointError, hub_access, is_hub_id, local_path_problem
 
@@ -314,8 +314,10 @@ def load_verifier(name: str, *, dtype: str | torch.dtype | None = "auto", device
     if name == "default":
         path = default_verifier_file()
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=resolve_dtype(dtype, dev))
-        check(model.config, tokenizer)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # the metadata, not the tensors
+        check(config, tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                     dtype=resolve_dtype(dtype, dev))
     elif name.startswith("tiny-random:"):
         tokenizer = byte_tokenizer()
         # a moderate init: varied but patterned text, which heads can learn in a few seconds

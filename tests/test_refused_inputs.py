@@ -317,6 +317,22 @@ def test_run_bench_checks_every_prompt_against_the_context_before_any_method(spe
         bench.run_bench(speculator.model, speculator.tokenizer, speculator.drafter, prompts, max_new_tokens=800, progress=False)
 
 
+def test_default_verifier_refuses_a_too_long_prompt_before_its_weights_load(tmp_path, capsys, monkeypatch):
+    """Issue 21.18, the last gap: with the default verifier a too-long bench prompt was refused
+    only after the 25 s load of its weights; now after reading the GGUF's metadata and tokenizer."""
+    import transformers
+
+    def refuse(*a, **k):
+        raise AssertionError("the default verifier's weights loaded before the prompt was refused")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n' + json.dumps({"prompt": "word " * 9000}) + "\n")
+    code, err = _run(["bench", "--prompts", str(prompts), "--out", str(tmp_path / "r.json"), "--methods", "vanilla"], capsys)
+    assert code == 2 and "prompt 2 of" in err and "context is 8192" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_a_chat_turn_beyond_the_context_is_refused_and_the_session_goes_on():
     """Issue 21.10: history plus max_new_tokens beyond the context ended the whole session."""
     import io
@@ -416,7 +432,9 @@ def generate_section() -> str:
             "status 2, before any model weights are built or loaded (the test makes that fail), nothing written. `DIR` is",
             "a temporary directory; the memory cases run as if 8 GiB were available. Not one-line refusals, tested there too:",
             "a second concurrent generation on one `Speculator` (a `UserError`), a chat turn beyond the context (refused,",
-            "the session goes on), `stop=\"abc\"` (one stop string), a resumed bench with other options (refused).", "",
+            "the session goes on), `stop=\"abc\"` (one stop string), a resumed bench with other options (refused), and",
+            "with the default verifier a too-long prompt, refused after its GGUF metadata and tokenizer are read (~10 s),",
+            "before its weights load.", "",
             "| input | issue 21 | exit | message |", "| --- | --- | --- | --- |"]
     return "\n".join(head + rows) + "\n"
 

@@ -306,8 +306,8 @@ def test_shipped_recipes_parse():
 def test_feature_cache_and_tensorboard_logging(tmp_path, distilled):
     online = run(tmp_path, distilled, "online", max_steps=3, **SGD)
     cached = run(tmp_path, distilled, "cached", max_steps=3, cache_features=True, log_with="tensorboard", **SGD)
-    files = list((tmp_path / "cached" / "features").glob("*.safetensors"))
-    assert len(files) >= 8  # the records seen so far, one file each
+    files = list((tmp_path / "cached" / "features").glob("*/*.safetensors"))
+    assert len(files) >= 8  # the records seen so far, one file each, in the folder of this verifier and layer set
     again = run(tmp_path, distilled, "cached2", max_steps=3, cache_features=True,
                 cache_dir=str(tmp_path / "cached" / "features"), **SGD)  # read back from disk
     for a, b, c in zip(online["history"], cached["history"], again["history"]):
@@ -352,3 +352,42 @@ def test_eval_only_measures_a_head_on_the_held_out_split(tmp_path, distilled):
     assert not (tmp_path / "eval" / "model.safetensors").exists()
     with pytest.raises(ConfigError, match="eval_only needs init_from"):
         load_config(RECIPE, [f"data={distilled}", "prompts=", "eval_only=true"])
+
+
+def test_split_keeps_each_record_on_its_side_when_data_grows():
+    """The held-out split is decided per record by its content: appending and reordering data
+    (the committed data grows part by part) moves no training record into the held-out set."""
+    from train.data import Record, split_records
+
+    old = [Record([1, 2 + i, 3 + i % 7], [0, 1, 1]) for i in range(500)]
+    tr, ev = split_records(old, 0.1, seed=0)
+    assert 30 <= len(ev) <= 70 and sorted(tr + ev) == list(range(500))
+    grown = [Record([9, 2 + i, 4], [0, 1, 1]) for i in range(300)] + old[::-1]
+    tr2, ev2 = split_records(grown, 0.1, seed=0)
+    held = {old[i].key() for i in ev}
+    assert {grown[i].key() for i in ev2} & {r.key() for r in old} == held
+    assert split_records(old, 0.1, seed=1)[1] != ev  # the seed chooses another split
+    assert len(split_records(old[:2], 0.9, seed=0)[1]) == 1  # never all held out, never none
+    assert len(split_records(old[:2], 1e-9, seed=0)[1]) == 1
+
+
+def test_feature_cache_is_named_by_content_and_source(tmp_path, llama, monkeypatch):
+    """A record's cached features are found by its content, not its position (data reordered or
+    grown reads the right file), and another verifier or layer set gets its own folder."""
+    import train.features
+    from train.data import Record, collate
+    from train.features import FeatureCache
+
+    recs = [Record([5, 6, 7, 8], [0, 0, 1, 1]), Record([9, 10, 11], [0, 1, 1])]
+    first = FeatureCache(tmp_path, [r.key() for r in recs], "verifier A layers [0, 1]")
+    a = first.get(llama, collate(recs, [0, 1]), (0, 1))
+    swapped = recs[::-1]
+    second = FeatureCache(tmp_path, [r.key() for r in swapped], "verifier A layers [0, 1]")
+    calls, real = [], train.features.compute_features
+    monkeypatch.setattr(train.features, "compute_features", lambda *x: calls.append(1) or real(*x))
+    b = second.get(llama, collate(swapped, [0, 1]), (0, 1))
+    assert not calls  # both read from disk
+    torch.testing.assert_close(b.last[0, :3], a.last[1, :3])
+    torch.testing.assert_close(b.aux[1, :4], a.aux[0, :4])
+    other = FeatureCache(tmp_path, [r.key() for r in recs], "verifier A layers [1]")
+    assert other.dir != first.dir and not list(other.dir.glob("*.safetensors"))

@@ -11,6 +11,7 @@ the whole conversation with the loss mask on every answer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -221,6 +222,14 @@ class Record:
     input_ids: list[int]
     loss_mask: list[int]
 
+    def key(self) -> str:
+        """A content hash of the token ids and the loss mask (24 hex digits): the record's name in
+        the feature cache and in the held-out split, so both survive data that grows or is
+        reordered."""
+        h = hashlib.sha256(",".join(map(str, self.input_ids)).encode())
+        h.update(bytes(1 if m else 0 for m in self.loss_mask))
+        return h.hexdigest()[:24]
+
 
 def load_records(path: str | Path, max_seq_len: int) -> list[Record]:
     """Distilled records, truncated to ``max_seq_len``; records without response tokens dropped.
@@ -242,11 +251,26 @@ def load_records(path: str | Path, max_seq_len: int) -> list[Record]:
 
 
 def split_records(records: list[Record], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic train / held-out split of record indices."""
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_eval = int(round(eval_fraction * len(records))) if len(records) > 1 else 0
-    n_eval = min(max(n_eval, 1 if eval_fraction > 0 and len(records) > 1 else 0), len(records) - 1)
-    return sorted(order[n_eval:]), sorted(order[:n_eval])
+    """Deterministic train / held-out split of record indices, decided per record by a hash of
+    ``seed`` and its content (:meth:`Record.key`): a record keeps its side when data is appended
+    or reordered (a head trained on one version of the data is evaluated on records it never saw
+    in the next), and identical records fall on the same side. About ``eval_fraction`` of the
+    records are held out; at least one, and never all, when ``eval_fraction > 0`` and there are
+    two or more."""
+    if eval_fraction <= 0 or len(records) < 2:
+        return list(range(len(records))), []
+
+    def score(r: Record) -> float:
+        return int(hashlib.sha256(f"{seed}:{r.key()}".encode()).hexdigest()[:13], 16) / 16**13
+
+    scores = [score(r) for r in records]
+    held = [i for i, s in enumerate(scores) if s < eval_fraction]
+    if not held:
+        held = [min(range(len(records)), key=scores.__getitem__)]
+    if len(held) == len(records):
+        held.remove(max(held, key=scores.__getitem__))
+    held_set = set(held)
+    return [i for i in range(len(records)) if i not in held_set], sorted(held)
 
 
 @dataclass

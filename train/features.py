@@ -7,6 +7,7 @@ of the three fused layers).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,15 +56,24 @@ def compute_features(model, batch: Batch, aux_layers: tuple[int, ...]) -> Featur
 
 
 class FeatureCache:
-    """Verifier features per record as safetensors files (float16), for multi-epoch runs."""
+    """Verifier features per record as safetensors files (float16), for multi-epoch runs.
 
-    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float16):
-        self.dir = Path(directory)
+    A record's file is named by its content (``keys[i]``, :meth:`train.data.Record.key`) inside a
+    folder named by ``source`` (the verifier's fingerprint, dtype and fused layers), so data that
+    grows or is reordered, another verifier or another head type never reads features that are
+    not its own; one ``cache_dir`` can serve them all."""
+
+    def __init__(self, directory: str | Path, keys: list[str], source: str, dtype: torch.dtype = torch.float16):
+        self.dir = Path(directory) / hashlib.sha256(source.encode()).hexdigest()[:12]
         self.dir.mkdir(parents=True, exist_ok=True)
+        note = self.dir / "SOURCE.txt"
+        if not note.exists():
+            write_atomic(note, lambda p: Path(p).write_text(source + "\n"))
+        self.keys = keys
         self.dtype = dtype
 
     def _path(self, index: int) -> Path:
-        return self.dir / f"{index:07d}.safetensors"
+        return self.dir / f"{self.keys[index]}.safetensors"
 
     def get(self, model, batch: Batch, aux_layers: tuple[int, ...]) -> Features:
         idx = batch.index.tolist()

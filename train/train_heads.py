@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers, default_dflash_layers
+from heads.config import weights_fingerprint
 from heads.io import ADAPTER, adapter_digest, write_atomic
 from train.accel import (
     accelerator_kwargs,
@@ -383,7 +384,10 @@ def _train(cfg: TrainConfig, held: list) -> dict:
     if cfg.log_with:
         accelerator.init_trackers("specheads", config={k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))})
 
-    cache = FeatureCache(cfg.cache_dir or out / "features") if cfg.cache_features else None
+    cache = None
+    if cfg.cache_features:
+        source = f"verifier {weights_fingerprint(model)} {model.dtype} layers {list(aux_layers)}"
+        cache = FeatureCache(cfg.cache_dir or out / "features", [r.key() for r in records], source)
     per_rank, world = cfg.batch_size, accelerator.num_processes
     global_batch = per_rank * world
     if len(train_idx) < global_batch:
