@@ -102,6 +102,11 @@ def write_directory(out: str | Path, fill, *, overwrite: bool = False) -> Path:
     try:
         fill(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes directories private; exports are ordinary directories
+        for f in tmp.rglob("*"):  # and safetensors writes its files private (0600): a server reads them as another user
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o644)
+            elif f.is_dir():
+                os.chmod(f, 0o755)
         if not out.exists():
             os.replace(tmp, out)
             return out

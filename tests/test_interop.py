@@ -196,6 +196,8 @@ def test_export_cli(tmp_path, deep_llama, capsys):
     head.save_pretrained(tmp_path / "h")
     assert main(["export", "--draft", str(tmp_path / "h"), "--format", "eagle3", "--out", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "model.safetensors").is_file()
+    for f in [tmp_path / "o", *(tmp_path / "o").iterdir()]:  # ordinary files: a server may run as another user
+        assert f.stat().st_mode & 0o777 == (0o755 if f.is_dir() else 0o644), f
     assert main(["export", "--draft", str(tmp_path / "h"), "--format", "medusa", "--out", str(tmp_path / "o2")]) == 2
     assert "needs Medusa heads" in capsys.readouterr().err
 
