@@ -8,10 +8,16 @@ exact under sampling too, and it merges with prompt lookup's trie (``--draft PAT
 
 With a cost curve, the chain is cut where a longer one stops paying: the depth ``d`` that
 maximises ``(1 + sum_j prod_{i<=j} p_i) / cost(d + 1)``, ``p_i`` the head's top-1 probability at
-position ``i`` (one read of ``block_size - 1`` numbers per step; without a cost curve, none).
+position ``i`` (one read per step, of those probabilities and the chain's tokens; without a cost
+curve, none). With a cost curve that has a seconds-per-token scale (the engine's online cost),
+the same :class:`~infer.head_drafters.Gate` as EAGLE's pauses drafting, head pass included,
+while the chains it drafts do not pay for their verify and drafting time: a head that is rarely
+accepted then costs one probe every few dozen steps instead of a pass every step.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from transformers import DynamicCache
@@ -21,6 +27,7 @@ from heads.masks import additive_mask
 
 from .cost import cost_summary
 from .drafters import Draft, Drafter, root_only
+from .head_drafters import Gate
 from .tree import DynamicTreeSpec, build_tree
 from .verifier import crop_cache
 
@@ -30,15 +37,19 @@ class BlockDrafter(Drafter):
 
     ``tree``: only its ``depth`` is used (the longest chain; default ``block_size - 1``).
     ``cost``: a verify-cost curve (:mod:`infer.cost`) that sizes each chain, or None (full
-    depth). ``dtype``: what the head computes in (default: the verifier's)."""
+    depth). ``adaptive``: pause while drafting does not pay (needs an online cost). ``dtype``:
+    what the head computes in (default: the verifier's)."""
 
     def __init__(self, head: DFlashHead, verifier_model, tree: DynamicTreeSpec | None = None, cost=None, *,
-                 dtype: torch.dtype | None = None):
+                 adaptive: bool = True, dtype: torch.dtype | None = None):
         emb = verifier_model.get_input_embeddings()
         self.device = emb.weight.device
         self.dtype = dtype or emb.weight.dtype
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
         self.cost = cost
+        self.adaptive = adaptive
+        self.gate = Gate.new()
+        self._last: tuple[tuple[int, ...], float] | None = None  # the last chain (host tokens) and its drafting time
         self.block_size = head.config.block_size
         self.feature_layers = head.config.feature_layers
         self.tree = tree or DynamicTreeSpec(depth=self.block_size - 1, top_k=1, num_nodes=self.block_size)
@@ -58,12 +69,24 @@ class BlockDrafter(Drafter):
         self.cache = DynamicCache()
         self.length = 0
         self._pending = [features]  # [T, F, h]: the prompt's features, fed at the first proposal
+        self.gate = Gate.new()
+        self._last = None
 
     def update(self, tokens, features) -> None:
+        if self._last is not None:  # the gate learns from the host copy of what was committed: no read
+            chain, seconds = self._last
+            self._last = None
+            accepted = _chain_accepted(chain, tokens.tolist())
+            spent = self.cost(len(chain) + 1) + seconds / self.cost.seconds_per_token
+            self.gate.record((1.0 + accepted) / spent)
         self._pending.append(features)
 
+    def _gated(self) -> bool:
+        return self.adaptive and bool(getattr(self.cost, "seconds_per_token", None))
+
     def state(self) -> dict:
-        return {"block_size": self.block_size, "cost": cost_summary(self.cost)}
+        return {"block_size": self.block_size, "paused_steps": self.gate.paused,
+                "gate_gain": round(float(self.gate.ema), 3), "cost": cost_summary(self.cost)}
 
     def _catch_up(self) -> None:
         """Append the fused features of every committed position not yet in the context cache."""
@@ -78,12 +101,11 @@ class BlockDrafter(Drafter):
         self.head.add_context(context[None], positions[None], additive_mask(allowed, self.dtype)[None], self.cache)
         self.length += k
 
-    def _depth(self, top_p: torch.Tensor, depth: int) -> int:
-        """The chain depth that pays best under the cost curve (one read of ``top_p [depth]``)."""
-        if self.cost is None:
-            return depth
+    def _depth(self, top_p: list[float]) -> int:
+        """The chain depth that pays best under the cost curve, from the head's top-1
+        probabilities per position (host floats)."""
         run, expected, best, best_gain = 1.0, 1.0, 0, 1.0 / self.cost(1)
-        for d, p in enumerate(top_p.tolist(), start=1):
+        for d, p in enumerate(top_p, start=1):
             run *= p
             expected += run
             gain = expected / self.cost(d + 1)
@@ -110,12 +132,33 @@ class BlockDrafter(Drafter):
     def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
         spec = tree or self.tree
         depth = min(self.block_size - 1, getattr(spec, "depth", self.block_size - 1), max_depth)
-        if depth <= 0:
-            return root_only(root, self.device)
+        gated = self._gated()
+        if depth <= 0 or (gated and not self.gate.should_draft()):
+            return root_only(root, self.device)  # no head pass: the context catches up at the next one
+        t0 = time.perf_counter()
         logits = self.block_logits(root)[:depth]  # [depth, Vd]
         top_p, top = torch.softmax(logits.float(), -1).max(-1)
-        depth = self._depth(top_p, depth)
+        ids = self.vocab[top]  # [depth] verifier ids
+        root_t = torch.full((1,), root, dtype=torch.long, device=self.device)
+        if self.cost is None:  # the full chain, nothing read
+            return Draft(torch.cat([root_t, ids]), self._chains[depth])
+        probs, host_ids = torch.stack([top_p, ids.to(top_p.dtype)]).tolist()  # the step's one read
+        depth = self._depth(probs)
+        chain = tuple(int(t) for t in host_ids[:depth])
+        if gated:
+            self._last = (chain, time.perf_counter() - t0)
         if depth == 0:
             return root_only(root, self.device)
-        root_t = torch.full((1,), root, dtype=torch.long, device=self.device)
-        return Draft(torch.cat([root_t, self.vocab[top[:depth]]]), self._chains[depth])
+        return Draft(torch.cat([root_t, ids[:depth]]), self._chains[depth],
+                     host=((int(root), *chain), (-1, *range(depth))))
+
+
+def _chain_accepted(chain: tuple[int, ...], committed: list[int]) -> int:
+    """How many tokens of ``chain`` the ``committed`` tokens (the root, then what was accepted, by
+    this draft or another drafter's) follow."""
+    n = 0
+    for drafted, kept in zip(chain, committed[1:]):
+        if drafted != kept:
+            break
+        n += 1
+    return n
