@@ -10,7 +10,7 @@ With a cost curve, the chain is cut where a longer one stops paying: the depth `
 maximises ``(1 + sum_j prod_{i<=j} p_i) / cost(d + 1)``, ``p_i`` the head's top-1 probability at
 position ``i`` (one read per step, of those probabilities and the chain's tokens; without a cost
 curve, none). With a cost curve that has a seconds-per-token scale (the engine's online cost),
-the same :class:`~infer.head_drafters.Gate` as EAGLE's pauses drafting, head pass included,
+the same :class:`~infer.drafters.Gate` as EAGLE's pauses drafting, head pass included,
 while the chains it drafts do not pay for their verify and drafting time: a head that is rarely
 accepted then costs one probe every few dozen steps instead of a pass every step.
 """
@@ -26,8 +26,7 @@ from heads.dflash import DFlashHead
 from heads.masks import additive_mask
 
 from .cost import cost_summary
-from .drafters import Draft, Drafter, root_only
-from .head_drafters import Gate
+from .drafters import Draft, Drafter, Gate, root_only
 from .tree import DynamicTreeSpec, build_tree
 from .verifier import crop_cache
 

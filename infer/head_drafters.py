@@ -26,7 +26,7 @@ from heads.masks import additive_mask
 from heads.modules import DraftHead
 
 from .cost import cost_summary
-from .drafters import Draft, Drafter, root_only
+from .drafters import Draft, Drafter, Gate, root_only
 from .errors import UserError
 from .kernels import median_seconds
 from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
@@ -132,45 +132,6 @@ class Calibration:
         hit = (on_path & (depth >= 1)).float()
         self.observed.index_add_(0, (depth - 1).clamp(min=0, max=d_max - 1), hit)
         return hit.sum()
-
-
-@dataclass
-class Gate:
-    """Whether drafting pays, per generation: an exponential moving average of each drafted
-    step's gain (tokens it emitted over its cost in single-token verify passes, drafting
-    included; 1.0 = as fast as not drafting). Below 1, drafting pauses for ``backoff`` steps and
-    then probes once; every failed probe doubles the pause (up to ``max_backoff``: a head that
-    never pays, e.g. when sampling from a broad distribution, costs one probe per 65 steps), a
-    probe that pays resumes drafting. Kept on the host from host-known counts: it reads nothing."""
-
-    ema: float
-    backoff: int = 1
-    skip: int = 0
-    max_backoff: int = 64
-    alpha: float = 0.3
-    paused: int = 0  # steps it paused drafting for (this generation)
-
-    @classmethod
-    def new(cls, device=None, start: float = 1.2) -> Gate:
-        return cls(float(start))
-
-    def should_draft(self) -> bool:
-        if self.skip > 0:
-            self.skip -= 1
-            self.paused += 1
-            return False
-        return True
-
-    def record(self, gain: float) -> None:
-        """One drafted step's ``gain`` (a float; a 0-dim tensor is read): a probe after a pause
-        counts on its own."""
-        gain = float(gain)
-        self.ema = gain if self.backoff > 1 else (1 - self.alpha) * self.ema + self.alpha * gain
-        if self.ema > 1.0:
-            self.backoff, self.skip = 1, 0
-        else:
-            self.skip = self.backoff
-            self.backoff = min(2 * self.backoff, self.max_backoff)
 
 
 class EagleDrafter(Drafter):
