@@ -26,7 +26,7 @@ from heads.dflash import DFlashHead
 from heads.masks import additive_mask
 
 from .cost import cost_summary
-from .drafters import Draft, Drafter, Gate, root_only
+from .drafters import Draft, Drafter, Gate, accepted_on_host, root_only
 from .tree import DynamicTreeSpec, build_tree
 from .verifier import crop_cache
 
@@ -48,7 +48,7 @@ class BlockDrafter(Drafter):
         self.cost = cost
         self.adaptive = adaptive
         self.gate = Gate.new()
-        self._last: tuple[tuple[int, ...], float] | None = None  # the last chain (host tokens) and its drafting time
+        self._last: tuple[tuple, float] | None = None  # the last chain's host form and its drafting time
         self.block_size = head.config.block_size
         self.feature_layers = head.config.feature_layers
         self.tree = tree or DynamicTreeSpec(depth=self.block_size - 1, top_k=1, num_nodes=self.block_size)
@@ -73,11 +73,9 @@ class BlockDrafter(Drafter):
 
     def update(self, tokens, features) -> None:
         if self._last is not None:  # the gate learns from the host copy of what was committed: no read
-            chain, seconds = self._last
+            (tokens_h, parents_h), seconds = self._last
             self._last = None
-            accepted = _chain_accepted(chain, tokens.tolist())
-            spent = self.cost(len(chain) + 1) + seconds / self.cost.seconds_per_token
-            self.gate.record((1.0 + accepted) / spent)
+            self.gate.record_draft(accepted_on_host(tokens_h, parents_h, tokens.tolist()), len(tokens_h), seconds, self.cost)
         self._pending.append(features)
 
     def _gated(self) -> bool:
@@ -143,21 +141,10 @@ class BlockDrafter(Drafter):
             return Draft(torch.cat([root_t, ids]), self._chains[depth])
         probs, host_ids = torch.stack([top_p, ids.to(top_p.dtype)]).tolist()  # the step's one read
         depth = self._depth(probs)
-        chain = tuple(int(t) for t in host_ids[:depth])
+        host = ((int(root), *(int(t) for t in host_ids[:depth])), (-1, *range(depth)))
         if gated:
-            self._last = (chain, time.perf_counter() - t0)
+            self._last = (host, time.perf_counter() - t0)
         if depth == 0:
             return root_only(root, self.device)
-        return Draft(torch.cat([root_t, ids[:depth]]), self._chains[depth],
-                     host=((int(root), *chain), (-1, *range(depth))))
+        return Draft(torch.cat([root_t, ids[:depth]]), self._chains[depth], host=host)
 
-
-def _chain_accepted(chain: tuple[int, ...], committed: list[int]) -> int:
-    """How many tokens of ``chain`` the ``committed`` tokens (the root, then what was accepted, by
-    this draft or another drafter's) follow."""
-    n = 0
-    for drafted, kept in zip(chain, committed[1:]):
-        if drafted != kept:
-            break
-        n += 1
-    return n

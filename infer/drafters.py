@@ -411,3 +411,22 @@ class Gate:
         else:
             self.skip = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
+
+    def record_draft(self, accepted: int, nodes: int, seconds: float, cost) -> None:
+        """One drafted step: ``accepted`` tokens of a ``nodes``-node draft that took ``seconds`` to
+        draft, against ``cost`` (an online cost with ``seconds_per_token``)."""
+        self.record((1.0 + accepted) / (cost(nodes) + seconds / cost.seconds_per_token))
+
+
+def accepted_on_host(tokens: tuple[int, ...], parents: tuple[int, ...], committed: list[int]) -> int:
+    """How many nodes of a draft (its host form: ``tokens``, ``parents``; node 0 the root) the
+    ``committed`` tokens (its root, then what was accepted, by this draft or another drafter's)
+    follow: no device read."""
+    children = {(p, tok): i for i, (p, tok) in enumerate(zip(parents, tokens))}
+    node, accepted = 0, 0
+    for tok in committed[1:]:
+        node = children.get((node, tok))
+        if node is None:
+            break
+        accepted += 1
+    return accepted

@@ -26,7 +26,7 @@ from heads.masks import additive_mask
 from heads.modules import DraftHead
 
 from .cost import cost_summary
-from .drafters import Draft, Drafter, Gate, root_only
+from .drafters import Draft, Drafter, Gate, accepted_on_host, root_only
 from .errors import UserError
 from .kernels import median_seconds
 from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
@@ -201,9 +201,8 @@ class EagleDrafter(Drafter):
             self._last = None
             self._calibration[key].record(draft, tokens)
             if self.adaptive and self.cost is not None and getattr(self.cost, "seconds_per_token", None):
-                accepted = _accepted_on_host(draft, committed.tolist())
-                spent = self.cost(draft.tokens.numel()) + seconds / self.cost.seconds_per_token
-                self.gate.record((1.0 + accepted) / spent)
+                accepted = accepted_on_host(draft.host_tokens, draft.host_parents, committed.tolist())
+                self.gate.record_draft(accepted, draft.tokens.numel(), seconds, self.cost)
         self._feats.append(features)
         self._tokens.append(tokens)
 
@@ -283,19 +282,6 @@ class EagleDrafter(Drafter):
         if t.tokens.numel() > 1 or self.adaptive:
             self._last = (t, key, time.perf_counter() - t0)
         return Draft(t.tokens, t.tree, host=(t.host_tokens, t.host_parents))
-
-
-def _accepted_on_host(draft: DynamicTree, committed: list[int]) -> int:
-    """How many of ``draft``'s nodes the ``committed`` tokens (its root, then what was accepted,
-    by this draft or another drafter's) follow, from the draft's host form: no device read."""
-    children = {(p, tok): i for i, (p, tok) in enumerate(zip(draft.host_parents, draft.host_tokens))}
-    node, accepted = 0, 0
-    for tok in committed[1:]:
-        node = children.get((node, tok))
-        if node is None:
-            break
-        accepted += 1
-    return accepted
 
 
 def draft_dtype(verifier_model, choice: str | torch.dtype | None = "auto") -> torch.dtype:
