@@ -52,3 +52,51 @@ def run_cli(argv, capsys):
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def forked_map(fn, items, workers: int = 2) -> list:
+    """``[fn(x) for x in items]``, the items dealt round-robin to ``workers`` processes forked from
+    this one (each with one torch thread; this process takes the first share), so that the long
+    statistical tests use every core of a CI machine. ``fn`` returns picklable plain values; the
+    forked processes start from this process's state (models, drafters, monkeypatches) and their
+    later state changes stay theirs. Falls back to one process where ``fork`` does not exist."""
+    import multiprocessing as mp
+
+    items = list(items)
+    if workers < 2 or "fork" not in mp.get_all_start_methods():
+        return [fn(x) for x in items]
+    ctx = mp.get_context("fork")
+    shares = [items[k::workers] for k in range(workers)]
+
+    def child(share, conn):
+        torch.set_num_threads(1)
+        try:
+            conn.send(("ok", [fn(x) for x in share]))
+        except BaseException as e:  # the parent raises it: a failed share must fail the test
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.close()
+
+    readers, procs = [], []
+    for share in shares[1:]:
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=child, args=(share, w), daemon=True)
+        p.start()
+        w.close()
+        readers.append(r)
+        procs.append(p)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = [[fn(x) for x in shares[0]]]
+    finally:
+        torch.set_num_threads(threads)
+    for r, p in zip(readers, procs):
+        status, value = r.recv()
+        p.join()
+        if status != "ok":
+            raise AssertionError(f"a forked share failed: {value}")
+        results.append(value)
+    out = [None] * len(items)
+    for k, share in enumerate(results):
+        out[k::workers] = share
+    return out

@@ -52,6 +52,23 @@ def one_line(capsys, *needles, prefix="specheads: error: "):
     return lines[0]
 
 
+def test_skip_distills_a_later_range_and_the_full_run_fills_in_the_rest(tmp_path):
+    """--skip 4 --limit 2 distils prompts 4-5 only; the same file continued without them adds
+    prompts 0-3 and leaves 4-5 alone (the resume skips ids already written)."""
+    out = tmp_path / "d.jsonl"
+    assert distil(out, "--skip", "4", "--limit", "2", prompts="synthetic:8") == 0
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()[1:]]
+    assert ids == ["synthetic-4", "synthetic-5"]
+    assert distil(out, "--limit", "6", prompts="synthetic:8") == 0
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()[1:]]
+    assert sorted(ids) == [f"synthetic-{i}" for i in range(6)] and len(ids) == 6
+
+
+def test_a_negative_skip_is_one_line(tmp_path, capsys, no_loading):
+    assert distil(tmp_path / "d.jsonl", "--skip", "-1") == 2
+    one_line(capsys, "--skip")
+
+
 @pytest.fixture(scope="module")
 def llama_data(tmp_path_factory):
     """Data distilled from tiny-random:llama through the command (header first, 6 records)."""

@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from conftest import forked_map
 from infer import generate
 from infer.accept import warp_probs
 from infer.drafters import Draft, Drafter
@@ -76,13 +77,20 @@ class FixedQDrafter(Drafter):
         return Draft(torch.tensor([root, a, b, c, d]), self.tree, q)
 
 
-def spec_counts(model, drafter, temperature, top_k, top_p) -> torch.Tensor:
-    counts = torch.zeros(V, V, V)
-    for seed in range(N_SAMPLES):
-        res = generate(model, drafter, PROMPT, max_new_tokens=3, temperature=temperature,
-                       top_k=top_k, top_p=top_p, seed=seed)
-        counts[tuple(res.token_ids)] += 1
+def tally(samples, n_tokens: int = 3) -> torch.Tensor:
+    """Counts ``[V] * n_tokens`` of sampled token sequences."""
+    counts = torch.zeros([V] * n_tokens)
+    for ids in samples:
+        counts[tuple(ids)] += 1
     return counts
+
+
+def spec_counts(model, drafter, temperature, top_k, top_p) -> torch.Tensor:
+    def draw(seed):
+        return generate(model, drafter, PROMPT, max_new_tokens=3, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed).token_ids
+
+    return tally(forked_map(draw, range(N_SAMPLES)))
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -224,14 +232,15 @@ def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model)
     head = build_head(cfg)
     drafter = EagleDrafter(head, m, DynamicTreeSpec(depth=2, top_k=3, num_nodes=6), cost=VerifyCost((1, 2, 3, 4, 8), (1.0, 1.1, 1.3, 1.6, 2.5)))
     probs = exact_joint(m, 1.0, 0, 1.0)
-    counts = torch.zeros(V, V, V)
-    sizes = set()
-    for seed in range(20_000):
+
+    def draw(seed):
         res = generate(m, drafter, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
-        counts[tuple(res.token_ids)] += 1
-        sizes.update(n for n, k in enumerate(res.stats.nodes_hist) if k)
+        return res.token_ids, [n for n, k in enumerate(res.stats.nodes_hist) if k]
+
+    samples = forked_map(draw, range(20_000))
+    sizes = {n for _, ns in samples for n in ns}
     assert len(sizes) > 1  # the budget varied from step to step
-    assert chi_square_pvalue(counts, probs) > 1e-3
+    assert chi_square_pvalue(tally(ids for ids, _ in samples), probs) > 1e-3
 
 
 # --- depth 3: the union of a head and prompt lookup, pruning, the gate, an observed cost curve --
@@ -283,14 +292,15 @@ def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypat
     drafter = UnionDrafter([eagle, PromptLookupDrafter(cost=cost)])
     probs = exact_joint_n(m, 5)
     assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
-    counts = torch.zeros_like(probs)
-    paused, deepest, learnt = 0, 0, False
-    for seed in range(N_DEEP):
+
+    def draw(seed):
         res = generate(m, drafter, PROMPT, max_new_tokens=5, temperature=1.0, seed=seed)
-        counts[tuple(res.token_ids)] += 1
-        paused += eagle.gate.paused
-        deepest = max(deepest, len(res.stats.nodes_hist) - 1)
-        learnt |= cost.seconds_per_token is not None
-    assert learnt and paused > 0  # the observed curve took over, and the gate paused the head at times
+        return res.token_ids, bool(eagle.gate.paused), len(res.stats.nodes_hist) - 1, cost.seconds_per_token is not None
+
+    samples = forked_map(draw, range(N_DEEP))  # each process's drafter and cost curve learn on their own
+    paused = sum(s[1] for s in samples)
+    deepest = max(s[2] for s in samples)
+    learnt = [s[3] for s in samples]
+    assert learnt[-1] and learnt[-2] and paused > 0  # both processes' curves took over; the gate paused at times
     assert deepest >= 4  # trees beyond one level were verified (root + 3 nodes at least)
-    assert chi_square_pvalue(counts, probs) > 1e-3
+    assert chi_square_pvalue(tally((s[0] for s in samples), 5), probs) > 1e-3

@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default=None, help="JSONL (prompt, or turns: a conversation played out turn by turn), hf:NAME[:SPLIT], or synthetic:N")
     p.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts only (0 = all)")
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N prompts (after --shuffle, before --limit): distill a later range first")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -71,8 +73,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     try:  # every argument and input is checked before the verifier loads
         SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-        if args.batch_size < 1 or args.limit < 0:
-            raise UserError("--batch-size must be >= 1 and --limit >= 0")
+        if args.batch_size < 1 or args.limit < 0 or args.skip < 0:
+            raise UserError("--batch-size must be >= 1, --limit and --skip >= 0")
         if args.prompts is None and not args.write_header_only:
             raise UserError("the following arguments are required: --prompts")
         check_output_file(args.out, "--out")
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
         prompts = []
         if not args.write_header_only:
             try:
-                prompts = load_prompts(args.prompts, args.limit, args.seed, shuffle=args.shuffle)
+                prompts = load_prompts(args.prompts, args.limit and args.skip + args.limit, args.seed,
+                                       shuffle=args.shuffle)[args.skip:]
             except DataError:
                 raise
             except (OSError, ValueError) as e:
