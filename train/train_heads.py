@@ -499,6 +499,18 @@ def _train(cfg: TrainConfig, held: list) -> dict:
     return {"step": step, "interrupted": False, "history": history, "eval": last_eval, "head": head, "verifier": verifier}
 
 
+def _leave_process_group() -> None:
+    """After a distributed run: every process waits for the others, then the default process group
+    is destroyed. A process that exits with it alive tears down its communication threads during
+    interpreter shutdown and can abort there ("terminate called without an active exception",
+    exit -6: seen once with DeepSpeed ZeRO-3 on two CPU processes), failing a run that finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="train_heads.py", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="YAML recipe (configs/*.yaml)")
@@ -521,6 +533,7 @@ def main(argv=None) -> int:
             print(f"train_heads: config ok ({cfg.head_type} for {cfg.verifier}, output_dir {cfg.output_dir})")
             return 0
         train(cfg)
+        _leave_process_group()
     except (ConfigError, UserError, DataError) as e:
         print(f"train_heads: error: {e}", file=sys.stderr)
         return 2
