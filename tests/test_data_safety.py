@@ -395,6 +395,31 @@ def test_training_on_a_directory_of_compressed_parts(tmp_path, llama_data):
     assert (tmp_path / "run" / "model.safetensors").is_file()
 
 
+def test_a_glob_pattern_selects_one_series_of_parts(tmp_path, capsys, llama_data):
+    """``data='dir/late-*.jsonl.xz'``: the parts of one series, in name order (how heads are
+    compared on the late series' held-out split from the committed directory)."""
+    head, *lines = llama_data.read_text().splitlines(keepends=True)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for name, chunk in [("early-000", lines[:2]), ("late-000", lines[2:4]), ("late-001", lines[4:])]:
+        (parts / f"{name}.jsonl.xz").write_bytes(lzma.compress((head + "".join(chunk)).encode()))
+    (parts / "late-notes.md").write_text("not a part")
+    want = load_records(llama_data, 128)[2:]
+    got = load_records(f"{parts}/late-*", 128)
+    assert [(r.input_ids, r.loss_mask) for r in got] == [(r.input_ids, r.loss_mask) for r in want]
+    assert [p.name for p, _ in check_data_source(f"{parts}/late-*")] == ["late-000.jsonl.xz", "late-001.jsonl.xz"]
+    assert train_main(["--check", "--config", str(RECIPE), f"data={parts}/late-*.jsonl.xz", "prompts=",
+                       f"output_dir={tmp_path / 'o'}"]) == 0
+    for overrides, message in [
+        ([f"data={parts}/none-*.jsonl.xz", "prompts="], "matches no *.jsonl, *.jsonl.gz or *.jsonl.xz file"),
+        ([f"data={parts}/late-*", "prompts=synthetic:4"], "is a pattern, not a JSONL file"),
+    ]:
+        assert train_main(["--check", "--config", str(RECIPE), *overrides, f"output_dir={tmp_path / 'o'}"]) == 2
+        one_line(capsys, message, prefix="train_heads: error: ")
+    with pytest.raises(DataError, match="matches no"):
+        load_records(f"{parts}/none-*", 128)
+
+
 # ------------------------------------------------------------------ the rest of docs/refused-inputs.md
 
 

@@ -27,7 +27,8 @@ class TrainConfig:
     verifier: str = "default"
     head_type: str = "eagle3"  # medusa | medusa2 | eagle1 | eagle3 | dflash
     output_dir: str = "runs/head"
-    # data: distilled JSONL (token ids + loss mask); made from `prompts` first if missing
+    # data: distilled JSONL (token ids + loss mask), a directory of parts or a glob pattern of parts;
+    # made from `prompts` first if missing
     data: str = ""
     prompts: str = ""  # JSONL prompts, or synthetic:N for N generated prompts (tiny verifiers)
     max_prompts: int = 0  # 0 = all
@@ -125,7 +126,8 @@ class TrainConfig:
     def check_paths(self) -> None:
         """The files the run reads and the directories it writes, checked before any work:
         ``prompts`` (a JSONL file; ``synthetic:N`` and ``hf:`` are not files) and ``data`` (made
-        from the prompts when they are given, else it must exist); ``output_dir`` and ``cache_dir``
+        from the prompts when they are given, else a file, a directory or a glob pattern that
+        matches data files); ``output_dir`` and ``cache_dir``
         must be directories that exist or can be made. Nothing is created here."""
         if self.prompts.startswith("synthetic:"):
             n = self.prompts.split(":", 1)[1]
@@ -133,13 +135,22 @@ class TrainConfig:
                 raise ConfigError(f"prompts must be synthetic:N with N >= 1, not {self.prompts!r}")
         elif self.prompts and not self.prompts.startswith("hf:") and not Path(self.prompts).is_file():
             raise ConfigError(f"prompts file {self.prompts} does not exist (JSONL, hf:NAME[:SPLIT] or synthetic:N)")
+        from train.datafile import DataError, data_files, is_data_pattern
+
         if self.prompts:  # distilled into data first
+            if is_data_pattern(self.data):
+                raise ConfigError(f"data {self.data} is a pattern, not a JSONL file (distillation appends to one file)")
             if self.distilled_path.is_dir():
                 raise ConfigError(f"data {self.distilled_path} is a directory, not a JSONL file (distillation appends to one file)")
             if self.distilled_path.name.endswith((".gz", ".xz")):
                 raise ConfigError(f"data {self.distilled_path} is compressed: distillation appends plain JSONL (train on "
                                   f"compressed data with prompts= empty)")
             _check_creatable(self.distilled_path.parent, "data")
+        elif is_data_pattern(self.data):
+            try:
+                data_files(self.data)
+            except DataError as e:
+                raise ConfigError(f"{e}: give an existing file, directory or pattern") from None
         elif Path(self.data).exists() and not Path(self.data).is_file() and not Path(self.data).is_dir():
             raise ConfigError(f"data {self.data} is not a regular file")
         elif not Path(self.data).is_file() and not Path(self.data).is_dir():

@@ -20,6 +20,7 @@ name order; hidden files skipped). Every line and every file read is bounded
 from __future__ import annotations
 
 import dataclasses
+import glob
 import gzip
 import json
 import lzma
@@ -332,9 +333,20 @@ def open_elsewhere(path: Path) -> list[int]:
 # ---------------------------------------------------------------------------- data for training
 
 
+def is_data_pattern(path: str | Path) -> bool:
+    """Whether a ``data`` value is a glob pattern (``*``, ``?`` or ``[`` in it)."""
+    return any(c in str(path) for c in "*?[")
+
+
 def data_files(path: str | Path) -> list[Path]:
-    """The files of a data set: ``path`` itself, or a directory's ``*.jsonl``, ``*.jsonl.gz`` and
-    ``*.jsonl.xz`` files in name order (hidden files skipped)."""
+    """The files of a data set: ``path`` itself, a directory's ``*.jsonl``, ``*.jsonl.gz`` and
+    ``*.jsonl.xz`` files in name order (hidden files skipped), or the data files a glob pattern
+    matches, in name order (e.g. ``train/data/distilled/late-*.jsonl.xz``: one series)."""
+    if is_data_pattern(path):
+        parts = sorted(Path(p) for p in glob.glob(str(path)) if p.endswith(DATA_SUFFIXES) and Path(p).is_file())
+        if not parts:
+            raise DataError(f"data pattern {path} matches no *.jsonl, *.jsonl.gz or *.jsonl.xz file")
+        return parts
     path = Path(path)
     if path.is_dir():
         parts = sorted(p for p in path.iterdir() if p.name.endswith(DATA_SUFFIXES) and not p.name.startswith("."))
