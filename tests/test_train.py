@@ -340,6 +340,15 @@ def test_init_from_starts_where_a_checkpoint_ended(tmp_path, distilled):
     assert all(torch.equal(head.state_dict()[k].float(), v.float()) for k, v in first.items())
     res = run(tmp_path, distilled, name="second", max_steps=2, init_from=str(tmp_path / "first"))
     assert res["history"][0]["loss"] < json.loads((tmp_path / "first" / "train_history.json").read_text())[0]["loss"]
+    # the second head's card names where it started and describes its own run, not the first's
+    first_cfg = json.loads((tmp_path / "first" / "config.json").read_text())["training"]
+    first_cfg["schedule"] = "the first run's schedule"
+    conf = tmp_path / "first" / "config.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), "training": first_cfg}))
+    run(tmp_path, distilled, name="third", max_steps=1, init_from=str(tmp_path / "first"))
+    third = json.loads((tmp_path / "third" / "config.json").read_text())["training"]
+    assert third["init_from"] == str(tmp_path / "first") and third["steps"] == 1 and "schedule" not in third
+    assert "the first run's schedule" not in (tmp_path / "third" / "README.md").read_text()
     with pytest.raises(ConfigError, match="is a eagle3 head, not medusa"):
         build_draft_head(load_config(RECIPE, [f"data={distilled}", "prompts=", "head_type=medusa", f"init_from={tmp_path / 'first'}"]), model, [])
 

@@ -102,6 +102,8 @@ def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
             raise ConfigError(f"init_from {cfg.init_from}: {e}") from None
         if head.config.head_type != kind:
             raise ConfigError(f"init_from {cfg.init_from} is a {head.config.head_type} head, not {kind}")
+        # the new head's card describes this run, not the one it starts from (its data, schedule, benchmarks)
+        head.config = HeadConfig.from_dict({**head.config.to_dict(), "training": {"init_from": str(cfg.init_from)}})
         return head
     kwargs = {}
     if kind == "medusa":
