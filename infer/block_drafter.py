@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from heads.dflash import DFlashHead
 from heads.masks import additive_mask
 
-from .cost import cost_summary
+from .cost import cost_summary, has_timing
 from .drafters import Draft, Drafter, Gate, accepted_on_host, root_only
 from .tree import DynamicTreeSpec, build_tree
 from .verifier import crop_cache
@@ -79,7 +79,7 @@ class BlockDrafter(Drafter):
         self._pending.append(features)
 
     def _gated(self) -> bool:
-        return self.adaptive and bool(getattr(self.cost, "seconds_per_token", None))
+        return self.adaptive and has_timing(self.cost)
 
     def state(self) -> dict:
         return {"block_size": self.block_size, "paused_steps": self.gate.paused,

@@ -142,6 +142,12 @@ class OnlineCost:
         return self._curve.table(n_max, device)
 
 
+def has_timing(cost) -> bool:
+    """Whether ``cost`` has measured the seconds of a one-token pass (what the gate needs to
+    weigh a draft's wall time against the verifier's)."""
+    return bool(getattr(cost, "seconds_per_token", None))
+
+
 def cost_summary(cost, nodes=(2, 4, 8, 16, 32)) -> dict | None:
     """What a cost curve says now, for benchmark records: relative cost at ``nodes`` and, for an
     :class:`OnlineCost`, the seconds of a one-token pass it measured (None: no curve)."""

@@ -25,7 +25,7 @@ from heads import Eagle3Head, MedusaHeads, load_head
 from heads.masks import additive_mask
 from heads.modules import DraftHead
 
-from .cost import cost_summary
+from .cost import cost_summary, has_timing
 from .drafters import Draft, Drafter, Gate, accepted_on_host, root_only
 from .errors import UserError
 from .kernels import median_seconds
@@ -200,7 +200,7 @@ class EagleDrafter(Drafter):
             draft, key, seconds = self._last
             self._last = None
             self._calibration[key].record(draft, tokens)
-            if self.adaptive and self.cost is not None and getattr(self.cost, "seconds_per_token", None):
+            if self.adaptive and has_timing(self.cost):
                 accepted = accepted_on_host(draft.host_tokens, draft.host_parents, committed.tolist())
                 self.gate.record_draft(accepted, draft.tokens.numel(), seconds, self.cost)
         self._feats.append(features)
