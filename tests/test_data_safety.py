@@ -418,6 +418,15 @@ def test_a_glob_pattern_selects_one_series_of_parts(tmp_path, capsys, llama_data
         one_line(capsys, message, prefix="train_heads: error: ")
     with pytest.raises(DataError, match="matches no"):
         load_records(f"{parts}/none-*", 128)
+    # ``**`` goes down directories; an existing name with glob characters is that file, not a pattern
+    (parts / "deeper").mkdir()
+    (parts / "late-001.jsonl.xz").rename(parts / "deeper" / "late-001.jsonl.xz")
+    assert len(load_records(f"{parts}/**/late-*.jsonl.xz", 128)) == len(want)
+    literal = tmp_path / "exp[1]" / "d.jsonl"
+    literal.parent.mkdir()
+    literal.write_text(llama_data.read_text())
+    assert len(load_records(literal, 128)) == len(want) + 2
+    assert train_main(["--check", "--config", str(RECIPE), f"data={literal}", "prompts=", f"output_dir={tmp_path / 'o'}"]) == 0
 
 
 # ------------------------------------------------------------------ the rest of docs/refused-inputs.md

@@ -12,8 +12,8 @@ other line is a record ``{"id", "input_ids", "loss_mask"}``. Files made before h
 are still read for training (with a warning line); appending to one is refused until it has a
 header (:func:`write_header`, or ``specheads distill --write-header-only``).
 
-Training reads ``.jsonl``, ``.jsonl.gz``, ``.jsonl.xz`` and a directory of such parts (read in
-name order; hidden files skipped). Every line and every file read is bounded
+Training reads ``.jsonl``, ``.jsonl.gz``, ``.jsonl.xz``, a directory of such parts (read in
+name order; hidden files skipped) and a glob pattern of such files (:func:`data_files`). Every line and every file read is bounded
 (:data:`MAX_LINE_BYTES`, :data:`MAX_DATA_BYTES`, :data:`MAX_PROMPT_FILE_BYTES`).
 """
 
@@ -334,16 +334,18 @@ def open_elsewhere(path: Path) -> list[int]:
 
 
 def is_data_pattern(path: str | Path) -> bool:
-    """Whether a ``data`` value is a glob pattern (``*``, ``?`` or ``[`` in it)."""
-    return any(c in str(path) for c in "*?[")
+    """Whether a ``data`` value is a glob pattern: ``*``, ``?`` or ``[`` in it and no file or
+    directory of that name (an existing ``runs/exp[1]/d.jsonl`` is that file, not a pattern)."""
+    return any(c in str(path) for c in "*?[") and not Path(path).exists()
 
 
 def data_files(path: str | Path) -> list[Path]:
     """The files of a data set: ``path`` itself, a directory's ``*.jsonl``, ``*.jsonl.gz`` and
     ``*.jsonl.xz`` files in name order (hidden files skipped), or the data files a glob pattern
-    matches, in name order (e.g. ``train/data/distilled/late-*.jsonl.xz``: one series)."""
+    matches, in name order (e.g. ``train/data/distilled/late-*.jsonl.xz``: one series; ``**``
+    matches any depth of directories)."""
     if is_data_pattern(path):
-        parts = sorted(Path(p) for p in glob.glob(str(path)) if p.endswith(DATA_SUFFIXES) and Path(p).is_file())
+        parts = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if p.endswith(DATA_SUFFIXES) and Path(p).is_file())
         if not parts:
             raise DataError(f"data pattern {path} matches no *.jsonl, *.jsonl.gz or *.jsonl.xz file")
         return parts
