@@ -349,6 +349,10 @@ def test_init_from_starts_where_a_checkpoint_ended(tmp_path, distilled):
     third = json.loads((tmp_path / "third" / "config.json").read_text())["training"]
     assert third["init_from"] == str(tmp_path / "first") and third["steps"] == 1 and "schedule" not in third
     assert "the first run's schedule" not in (tmp_path / "third" / "README.md").read_text()
+    assert "ancestors" not in third  # the first head started from scratch
+    run(tmp_path, distilled, name="fourth", max_steps=1, init_from=str(tmp_path / "third"))
+    fourth = json.loads((tmp_path / "fourth" / "config.json").read_text())["training"]
+    assert fourth["init_from"] == str(tmp_path / "third") and fourth["ancestors"] == [str(tmp_path / "first")]
     with pytest.raises(ConfigError, match="is a eagle3 head, not medusa"):
         build_draft_head(load_config(RECIPE, [f"data={distilled}", "prompts=", "head_type=medusa", f"init_from={tmp_path / 'first'}"]), model, [])
 

@@ -90,6 +90,14 @@ class Joint(nn.Module):
         return loss + self.cfg.medusa2_kl_weight * kl, metrics
 
 
+def warm_start_facts(parent: dict, init_from: str | Path) -> dict:
+    """The ``training`` facts a warm-started head starts with: where it started and, under
+    ``ancestors``, where that head started, nearest first (from the parent's own facts)."""
+    chain = [parent["init_from"]] if isinstance(parent.get("init_from"), str) else []
+    chain += list(parent.get("ancestors", []))
+    return {"init_from": str(init_from), **({"ancestors": chain} if chain else {})}
+
+
 def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
     spec = VerifierSpec.of(model, cfg.verifier)
     kind = "medusa" if cfg.head_type == "medusa2" else cfg.head_type
@@ -102,8 +110,9 @@ def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
             raise ConfigError(f"init_from {cfg.init_from}: {e}") from None
         if head.config.head_type != kind:
             raise ConfigError(f"init_from {cfg.init_from} is a {head.config.head_type} head, not {kind}")
-        # the new head's card describes this run, not the one it starts from (its data, schedule, benchmarks)
-        head.config = HeadConfig.from_dict({**head.config.to_dict(), "training": {"init_from": str(cfg.init_from)}})
+        # the new head's card describes this run, not the one it starts from (its data, schedule,
+        # benchmarks), and keeps the chain of warm starts behind it (nearest first)
+        head.config = HeadConfig.from_dict({**head.config.to_dict(), "training": warm_start_facts(head.config.training, cfg.init_from)})
         return head
     kwargs = {}
     if kind == "medusa":
