@@ -13,8 +13,9 @@ are still read for training (with a warning line); appending to one is refused u
 header (:func:`write_header`, or ``specheads distill --write-header-only``).
 
 Training reads ``.jsonl``, ``.jsonl.gz``, ``.jsonl.xz``, a directory of such parts (read in
-name order; hidden files skipped) and a glob pattern of such files (:func:`data_files`). Every line and every file read is bounded
-(:data:`MAX_LINE_BYTES`, :data:`MAX_DATA_BYTES`, :data:`MAX_PROMPT_FILE_BYTES`).
+name order; hidden files skipped) and a glob pattern of such files (:func:`data_files`). Every
+line and every file read is bounded (:data:`MAX_LINE_BYTES`, :data:`MAX_DATA_BYTES`,
+:data:`MAX_PROMPT_FILE_BYTES`).
 """
 
 from __future__ import annotations
