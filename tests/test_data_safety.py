@@ -427,6 +427,8 @@ def test_a_glob_pattern_selects_one_series_of_parts(tmp_path, capsys, llama_data
     literal.write_text(llama_data.read_text())
     assert len(load_records(literal, 128)) == len(want) + 2
     assert train_main(["--check", "--config", str(RECIPE), f"data={literal}", "prompts=", f"output_dir={tmp_path / 'o'}"]) == 0
+    # ... and a pattern inside such an existing directory looks in it
+    assert len(load_records(f"{literal.parent}/d*.jsonl", 128)) == len(want) + 2
 
 
 # ------------------------------------------------------------------ the rest of docs/refused-inputs.md

@@ -340,13 +340,26 @@ def is_data_pattern(path: str | Path) -> bool:
     return any(c in str(path) for c in "*?[") and not Path(path).exists()
 
 
+def literal_prefix_escaped(pattern: str | Path) -> str:
+    """``pattern`` with its leading directories that exist under their literal names escaped, so
+    that ``runs/exp[1]/late-*.jsonl`` looks inside the existing directory ``runs/exp[1]``."""
+    parts = Path(pattern).parts
+    n = 0
+    while n < len(parts) - 1 and Path(*parts[: n + 1]).is_dir():
+        n += 1
+    if n == 0:
+        return str(pattern)
+    return str(Path(glob.escape(str(Path(*parts[:n]))), *parts[n:]))
+
+
 def data_files(path: str | Path) -> list[Path]:
     """The files of a data set: ``path`` itself, a directory's ``*.jsonl``, ``*.jsonl.gz`` and
     ``*.jsonl.xz`` files in name order (hidden files skipped), or the data files a glob pattern
     matches, in name order (e.g. ``train/data/distilled/late-*.jsonl.xz``: one series; ``**``
     matches any depth of directories)."""
     if is_data_pattern(path):
-        parts = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if p.endswith(DATA_SUFFIXES) and Path(p).is_file())
+        found = glob.glob(literal_prefix_escaped(path), recursive=True)
+        parts = sorted(Path(p) for p in found if p.endswith(DATA_SUFFIXES) and Path(p).is_file())
         if not parts:
             raise DataError(f"data pattern {path} matches no *.jsonl, *.jsonl.gz or *.jsonl.xz file")
         return parts
