@@ -363,6 +363,9 @@ def test_eval_only_measures_a_head_on_the_held_out_split(tmp_path, distilled):
     res = run(tmp_path, distilled, name="eval", init_from=str(tmp_path / "first"), eval_only=True)
     assert res["history"] == [] and abs(res["eval"]["eval_acc_1"] - trained["eval_acc_1"]) < 1e-6
     assert not (tmp_path / "eval" / "model.safetensors").exists()
+    # measuring a head needs no training records: most of a small data set can be held out
+    most = run(tmp_path, distilled, name="eval-most", init_from=str(tmp_path / "first"), eval_only=True, eval_fraction=0.95)
+    assert 0 <= most["eval"]["eval_acc_1"] <= 1 and most["history"] == []
     with pytest.raises(ConfigError, match="eval_only needs init_from"):
         load_config(RECIPE, [f"data={distilled}", "prompts=", "eval_only=true"])
 

@@ -401,7 +401,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
         cache = FeatureCache(cfg.cache_dir or out / "features", [r.key() for r in records], source)
     per_rank, world = cfg.batch_size, accelerator.num_processes
     global_batch = per_rank * world
-    if len(train_idx) < global_batch:
+    if len(train_idx) < global_batch and not cfg.eval_only:  # eval_only trains nothing: any split will do
         raise ConfigError(f"{len(train_idx)} training records are fewer than one global batch ({global_batch})")
     orders: dict[int, list[int]] = {}
 
