@@ -370,6 +370,32 @@ def test_eval_only_measures_a_head_on_the_held_out_split(tmp_path, distilled):
         load_config(RECIPE, [f"data={distilled}", "prompts=", "eval_only=true"])
 
 
+def test_eval_only_reports_each_prompt_source(tmp_path, distilled):
+    """A head measured on data of several prompt sources gets a line per source (what would have
+    shown v3c's loss on context QA before a bench did), and a source's figures are what the same
+    head scores on that source's records alone."""
+    run(tmp_path, distilled, name="first", max_steps=4, eval_every=4)
+    head, *rows = distilled.read_text().splitlines(keepends=True)
+    mixed, alpha = tmp_path / "mixed" / "d.jsonl", tmp_path / "alpha" / "d.jsonl"
+    for path in (mixed, alpha):
+        path.parent.mkdir()
+    renamed = []
+    for i, line in enumerate(rows):
+        row = json.loads(line)
+        row["id"] = f"{'alpha' if i % 2 else 'beta'}-{i}"
+        renamed.append(json.dumps(row) + "\n")
+    mixed.write_text(head + "".join(renamed))
+    alpha.write_text(head + "".join(renamed[1::2]))
+    common = dict(init_from=str(tmp_path / "first"), eval_only=True, eval_fraction=0.5, batch_size=64, eval_batches=1000)
+    both = run(tmp_path, mixed, name="eval-mixed", **common)
+    assert sorted(both["eval_by_source"]) == ["alpha", "beta"]
+    alone = run(tmp_path, alpha, name="eval-alpha", **common)
+    assert alone["eval_by_source"] == {}  # one source: the overall figures say it all
+    got = both["eval_by_source"]["alpha"]
+    assert abs(got["acc_1"] - alone["eval"]["eval_acc_1"]) < 1e-3 and abs(got["acc_3"] - alone["eval"]["eval_acc_3"]) < 1e-3
+    assert got["records"] + both["eval_by_source"]["beta"]["records"] > 8
+
+
 def test_split_keeps_each_record_on_its_side_when_data_grows():
     """The held-out split is decided per record by its content: appending and reordering data
     (the committed data grows part by part) moves no training record into the held-out set."""

@@ -61,7 +61,7 @@ class TrainConfig:
     cache_dir: str = ""  # default: <output_dir>/features
     interrupt_after: int = 0  # stop (as if killed) after this many optimizer steps; for tests
     init_from: str = ""  # start from this head checkpoint (same head type and verifier; its draft vocabulary is kept)
-    eval_only: bool = False  # with init_from: only measure that head's held-out acceptance on this data
+    eval_only: bool = False  # with init_from: only measure that head's held-out acceptance on this data (and per prompt source)
     # head hyperparameters
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -221,6 +221,7 @@ def _distill(model, tokenizer, prompts, out_path: Path, done: set[str], *, max_n
 class Record:
     input_ids: list[int]
     loss_mask: list[int]
+    source: str = field(default="", compare=False)  # its id's prefix ("dolly" of "dolly-12"); not in key()
 
     def key(self) -> str:
         """A content hash of the token ids and the loss mask (24 hex digits): the record's name in
@@ -231,6 +232,13 @@ class Record:
         return h.hexdigest()[:24]
 
 
+def record_source(record_id) -> str:
+    """The prompt source a distilled record's id names: the part before its first ``-``
+    (``"xquad_en_qa-5726"`` -> ``"xquad_en_qa"``); ``""`` for an id without one."""
+    text = str(record_id) if record_id is not None else ""
+    return text.split("-", 1)[0] if "-" in text else ""
+
+
 def load_records(path: str | Path, max_seq_len: int) -> list[Record]:
     """Distilled records, truncated to ``max_seq_len``; records without response tokens dropped.
     ``path``: a ``.jsonl``, ``.jsonl.gz`` or ``.jsonl.xz`` file, or a directory of such parts
@@ -239,7 +247,7 @@ def load_records(path: str | Path, max_seq_len: int) -> list[Record]:
     out = []
     for part, no, r in iter_records(path):
         try:
-            rec = Record(r["input_ids"][:max_seq_len], r["loss_mask"][:max_seq_len])
+            rec = Record(r["input_ids"][:max_seq_len], r["loss_mask"][:max_seq_len], record_source(r.get("id")))
             if not all(isinstance(t, int) for t in rec.input_ids) or len(rec.input_ids) != len(rec.loss_mask):
                 raise TypeError
             masked = sum(rec.loss_mask)

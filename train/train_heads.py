@@ -186,6 +186,15 @@ def length_sorted_windows(order: list[int], records, window: int) -> list[int]:
     return out
 
 
+def records_by_source(order: list[int], records) -> dict[str, list[int]]:
+    """The indices of ``order`` grouped by their record's prompt source (``Record.source``), each
+    group in ``order``'s order, sources sorted by name."""
+    groups: dict[str, list[int]] = {}
+    for i in order:
+        groups.setdefault(records[i].source, []).append(i)
+    return dict(sorted(groups.items()))
+
+
 def peak_memory_mb() -> int:
     """This process's peak resident memory (MB; Linux and macOS report it in different units)."""
     import resource
@@ -420,15 +429,16 @@ def _train(cfg: TrainConfig, held: list) -> dict:
 
     eval_order = length_sorted_windows(eval_idx[: cfg.eval_batches * per_rank], records, cfg.length_window)
 
-    def evaluate() -> dict:
-        if not eval_idx:
+    def evaluate(order: list[int] | None = None) -> dict:
+        order = eval_order if order is None else order
+        if not order:
             return {}
         head.eval()
         sums: dict[str, float] = {}
         n = 0
         with torch.no_grad():
-            for k in range(0, len(eval_order), per_rank):
-                batch = collate(records, eval_order[k : k + per_rank]).to(accelerator.device)
+            for k in range(0, len(order), per_rank):
+                batch = collate(records, order[k : k + per_rank]).to(accelerator.device)
                 loss, metrics = unwrapped(features_for(batch), batch)
                 for key, v in {"loss": loss, **metrics}.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
@@ -440,10 +450,17 @@ def _train(cfg: TrainConfig, held: list) -> dict:
 
     if cfg.eval_only:  # measure a head (init_from) on this data's held-out split, train nothing
         result = evaluate()
-        accelerator.print(json.dumps({"eval_only": True, "head": cfg.init_from, "eval_records": len(eval_idx),
-                                      **{k: round(v, 4) for k, v in result.items()}}))
+        by_source = {}
+        groups = records_by_source(eval_order, records)
+        if len(groups) > 1:  # a head that gains on one kind of prompt can lose on another
+            for source, idx in groups.items():
+                res = evaluate(length_sorted_windows(idx, records, cfg.length_window))
+                by_source[source] = {"records": len(idx), **{k[5:]: round(v, 4) for k, v in res.items()}}
+        accelerator.print(json.dumps({"eval_only": True, "head": cfg.init_from, "eval_records": len(eval_order),
+                                      **{k: round(v, 4) for k, v in result.items()}, "by_source": by_source}))
         accelerator.end_training()
-        return {"step": step, "interrupted": False, "history": [], "eval": result, "head": head, "verifier": verifier}
+        return {"step": step, "interrupted": False, "history": [], "eval": result, "eval_by_source": by_source,
+                "head": head, "verifier": verifier}
     head.train()
     last_eval: dict = {}
     while step < cfg.max_steps:
