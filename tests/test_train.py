@@ -1,6 +1,7 @@
 """Training: only head parameters change, accumulation and DDP equal a bigger batch, resume
 reproduces an uninterrupted run, and the CLI recipe trains a head the engine can use."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ from infer import generate
 from infer.head_drafters import load_head_drafter
 from infer.models import load_verifier
 from train.config import ConfigError, load_config
-from train.data import distill, load_prompts, load_records
+from train.data import distill, load_prompts, load_records, record_source
 from train.train_heads import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,6 +395,16 @@ def test_eval_only_reports_each_prompt_source(tmp_path, distilled):
     got = both["eval_by_source"]["alpha"]
     assert abs(got["acc_1"] - alone["eval"]["eval_acc_1"]) < 1e-3 and abs(got["acc_3"] - alone["eval"]["eval_acc_3"]) < 1e-3
     assert got["records"] + both["eval_by_source"]["beta"]["records"] > 8
+
+
+def test_the_manifest_and_the_evaluation_name_the_same_sources():
+    """``pack_distilled.py`` (torch-free) counts records per source as training's per-source
+    evaluation groups them: a multi-turn id holding a UUID is one source, not one per record."""
+    spec = importlib.util.spec_from_file_location("pack_distilled", Path(__file__).parents[1] / "train/data/pack_distilled.py")
+    pack = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack)
+    ids = ["dolly-123", "ntrex_tr-deu-eng-12", "oasst1_en_val-88fb828e-8d71-4786-a1df-e72310d4b07a", "7", "synthetic-3"]
+    assert [pack._source(i) for i in ids] == [record_source(i) for i in ids] == ["dolly", "ntrex_tr", "oasst1_en_val", "", "synthetic"]
 
 
 def test_split_keeps_each_record_on_its_side_when_data_grows():

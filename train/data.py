@@ -235,8 +235,8 @@ class Record:
 def record_source(record_id) -> str:
     """The prompt source a distilled record's id names: the part before its first ``-``
     (``"xquad_en_qa-5726"`` -> ``"xquad_en_qa"``); ``""`` for an id without one."""
-    text = str(record_id) if record_id is not None else ""
-    return text.split("-", 1)[0] if "-" in text else ""
+    head, dash, _ = ("" if record_id is None else str(record_id)).partition("-")
+    return head if dash else ""
 
 
 def load_records(path: str | Path, max_seq_len: int) -> list[Record]:

@@ -46,8 +46,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _source(record_id: str) -> str:
-    """A record's prompt source: its id up to the last ``-`` (``dolly-123`` -> ``dolly``)."""
-    return record_id.rsplit("-", 1)[0] if "-" in record_id else record_id
+    """A record's prompt source: its id up to the first ``-`` (``dolly-123`` -> ``dolly``;
+    ``oasst1_en_val-88fb828e-8d71-...`` -> ``oasst1_en_val``), as training's per-source evaluation
+    groups them (``train.data.record_source``; this script stays free of torch, so it keeps its
+    own copy, and a test holds the two together)."""
+    head, dash, _ = str(record_id).partition("-")
+    return head if dash else ""
 
 
 def pack(src: Path, out: Path, name: str, part_size: int) -> dict:
