@@ -376,17 +376,7 @@ def test_eval_only_reports_each_prompt_source(tmp_path, distilled):
     shown v3c's loss on context QA before a bench did), and a source's figures are what the same
     head scores on that source's records alone."""
     run(tmp_path, distilled, name="first", max_steps=4, eval_every=4)
-    head, *rows = distilled.read_text().splitlines(keepends=True)
-    mixed, alpha = tmp_path / "mixed" / "d.jsonl", tmp_path / "alpha" / "d.jsonl"
-    for path in (mixed, alpha):
-        path.parent.mkdir()
-    renamed = []
-    for i, line in enumerate(rows):
-        row = json.loads(line)
-        row["id"] = f"{'alpha' if i % 2 else 'beta'}-{i}"
-        renamed.append(json.dumps(row) + "\n")
-    mixed.write_text(head + "".join(renamed))
-    alpha.write_text(head + "".join(renamed[1::2]))
+    mixed, alpha = _two_sources(tmp_path, distilled, "mixed"), _two_sources(tmp_path, distilled, "alpha", keep=("alpha",))
     common = dict(init_from=str(tmp_path / "first"), eval_only=True, eval_fraction=0.5, batch_size=64, eval_batches=1000)
     both = run(tmp_path, mixed, name="eval-mixed", **common)
     assert sorted(both["eval_by_source"]) == ["alpha", "beta"]
@@ -395,6 +385,72 @@ def test_eval_only_reports_each_prompt_source(tmp_path, distilled):
     got = both["eval_by_source"]["alpha"]
     assert abs(got["acc_1"] - alone["eval"]["eval_acc_1"]) < 1e-3 and abs(got["acc_3"] - alone["eval"]["eval_acc_3"]) < 1e-3
     assert got["records"] + both["eval_by_source"]["beta"]["records"] > 8
+
+
+def _two_sources(tmp_path, distilled, name: str, keep=("alpha", "beta")) -> Path:
+    """``distilled`` with its records' ids renamed alpha-<i> (odd lines) and beta-<i> (even), the
+    sources in ``keep`` written out (the held-out split is by content, so each record keeps its side)."""
+    head, *rows = distilled.read_text().splitlines(keepends=True)
+    out = tmp_path / name / "d.jsonl"
+    out.parent.mkdir()
+    lines = []
+    for i, line in enumerate(rows):
+        row = json.loads(line)
+        row["id"] = f"{'alpha' if i % 2 else 'beta'}-{i}"
+        if row["id"].split("-")[0] in keep:
+            lines.append(json.dumps(row) + "\n")
+    out.write_text(head + "".join(lines))
+    return out
+
+
+def test_source_weights_weigh_each_source_per_epoch():
+    """Each source's records are seen ``weight`` times an epoch: whole copies, then a fresh random
+    part of them; the epoch has the same size every time; no weights: the records as they are."""
+    from train.data import Record, source_weighted
+
+    records = [Record([i, i + 1], [0, 1], src) for i, src in enumerate("aaaabbbbbbcc")]
+    train_idx = list(range(12))
+    gen = torch.Generator().manual_seed(0)
+    state = gen.get_state()
+    assert source_weighted(train_idx, records, {}, gen) == train_idx and torch.equal(gen.get_state(), state)
+    halves, seen = set(), torch.zeros(12)
+    for epoch in range(400):
+        got = source_weighted(train_idx, records, {"a": 2.5, "b": 0.5, "c": 0}, torch.Generator().manual_seed(epoch))
+        assert len(got) == 10 + 3  # round(2.5 * 4) + round(0.5 * 6) + 0
+        counts = [got.count(i) for i in range(12)]
+        assert sorted(counts[:4]) == [2, 2, 3, 3] and sorted(counts[4:10]) == [0, 0, 0, 1, 1, 1] and counts[10:] == [0, 0]
+        halves.add(tuple(counts[4:10]))
+        seen += torch.tensor(counts, dtype=torch.float)
+    assert len(halves) > 10  # a fresh half of b each epoch, not always the same one
+    mean = seen / 400
+    assert torch.allclose(mean[:4], torch.full((4,), 2.5), atol=0.15) and torch.allclose(mean[4:10], torch.full((6,), 0.5), atol=0.1)
+
+
+def test_source_weights_are_checked(tmp_path, distilled):
+    """A weight that is not a number >= 0, and a source no training record comes from (a typo
+    would weigh nothing), are refused by name."""
+    for bad in ("{alpha: -1}", "{alpha: many}", "{alpha: true}", "[alpha]"):
+        with pytest.raises(ConfigError, match="source_weights"):
+            load_config(RECIPE, [f"source_weights={bad}"])
+    data = _two_sources(tmp_path, distilled, "mixed")
+    with pytest.raises(ConfigError, match="source_weights names 'gamma', which no training record comes from .*'alpha', 'beta'"):
+        run(tmp_path, data, name="typo", source_weights={"gamma": 2})
+
+
+def test_a_source_weighed_zero_is_never_trained_on(tmp_path, distilled):
+    """Weight 0 drops a source from training: the head equals one trained on the data without
+    that source's records (same held-out sides, same order of the rest)."""
+    mixed = _two_sources(tmp_path, distilled, "mixed")
+    beta = _two_sources(tmp_path, distilled, "beta", keep=("beta",))
+    common = dict(head_type="eagle1", max_steps=4, eval_fraction=0.2)
+    run(tmp_path, mixed, name="weighed", source_weights={"alpha": 0}, **common)
+    run(tmp_path, beta, name="beta-only", **common)
+    run(tmp_path, mixed, name="unweighed", **common)
+    weighed, alone, both = (head_state(tmp_path / n) for n in ("weighed", "beta-only", "unweighed"))
+    assert all(torch.equal(weighed[k], alone[k]) for k in alone)
+    assert not all(torch.equal(weighed[k], both[k]) for k in both)
+    card = json.loads((tmp_path / "weighed" / "config.json").read_text())
+    assert card["training"]["source_weights"] == {"alpha": 0}
 
 
 def test_the_manifest_and_the_evaluation_name_the_same_sources():

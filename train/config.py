@@ -38,6 +38,9 @@ class TrainConfig:
     distill_temperature: float = 0.0
     max_seq_len: int = 1024
     eval_fraction: float = 0.05
+    # prompt source (the prefix of a record's id, e.g. gsm8k_train) -> times its training records
+    # are seen per epoch (0.5: a random half each epoch, 2: twice); a source not named: 1
+    source_weights: dict = field(default_factory=dict)
     # optimisation
     seed: int = 0
     batch_size: int = 4  # per process, per micro-step
@@ -118,6 +121,10 @@ class TrainConfig:
             raise ConfigError("mixed_precision must be no, bf16 or fp16")
         if self.log_with not in ("", "tensorboard", "wandb"):
             raise ConfigError(f"log_with must be '' (none), tensorboard or wandb, not {self.log_with!r}")
+        for source, w in self.source_weights.items():
+            if not isinstance(source, str) or isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1e6:
+                raise ConfigError(f"source_weights must map prompt sources to weights >= 0 (e.g. {{gsm8k_train: 0.5}}), "
+                                  f"not {source!r}: {w!r}")
         if self.eval_only and not self.init_from:
             raise ConfigError("eval_only needs init_from= (the head to measure)")
         if not self.data and not self.prompts:

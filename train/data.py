@@ -281,6 +281,41 @@ def split_records(records: list[Record], eval_fraction: float, seed: int) -> tup
     return [i for i in range(len(records)) if i not in held_set], sorted(held)
 
 
+def source_weighted(train_idx: list[int], records: list[Record], weights: dict[str, float], generator) -> list[int]:
+    """One epoch's training records before shuffling, each prompt source (:attr:`Record.source`)
+    weighed by ``weights`` (a source not named: 1). A source of ``n`` training records and weight
+    ``w`` gives ``round(w * n)`` entries: every record ``floor(w)`` times, then the first of a fresh
+    random order of them for the rest (2.5: each record twice, a random half three times; 0.5: a
+    random half once; 0: none), so an epoch always has the same size and over epochs each record
+    of the source is seen ``w`` times on average. ``weights`` empty: ``train_idx`` itself, and
+    ``generator`` is not used (the run is the unweighted one).
+    train_idx: [n] record indices; generator: a seeded ``torch.Generator``. Returns [m] indices."""
+    if not weights:
+        return list(train_idx)
+    groups: dict[str, list[int]] = {}
+    for i in train_idx:
+        groups.setdefault(records[i].source, []).append(i)
+    out: list[int] = []
+    for source in sorted(groups):
+        idx = groups[source]
+        w = float(weights.get(source, 1.0))
+        whole, rest = int(w), round(w * len(idx)) - int(w) * len(idx)
+        out += idx * whole
+        if rest > 0:
+            out += [idx[j] for j in torch.randperm(len(idx), generator=generator)[:rest].tolist()]
+    return out
+
+
+def check_source_weights(weights: dict[str, float], sources: set[str]) -> None:
+    """Every source ``weights`` names is one the training records come from (a misspelt source
+    would silently weigh nothing); raises ValueError naming the sources there are."""
+    unknown = sorted(set(weights) - sources)
+    if unknown:
+        there = ", ".join(repr(s) for s in sorted(sources)) or "none"
+        raise ValueError(f"source_weights names {', '.join(repr(s) for s in unknown)}, which no training record comes "
+                         f"from (the sources, the prefix of each record's id: {there})")
+
+
 @dataclass
 class Batch:
     """A right-padded batch. ``input_ids``, ``attention_mask``, ``loss_mask``: ``[B, T]``;

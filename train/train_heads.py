@@ -55,7 +55,16 @@ from train.checkpoints import (
     write_training_state,
 )
 from train.config import ConfigError, TrainConfig, load_config
-from train.data import collate, distill, load_prompts, load_records, response_token_counts, split_records
+from train.data import (
+    check_source_weights,
+    collate,
+    distill,
+    load_prompts,
+    load_records,
+    response_token_counts,
+    source_weighted,
+    split_records,
+)
 from train.features import FeatureCache, Features, compute_features
 from train.losses import dflash_loss, eagle1_loss, eagle3_loss, estimated_tau, medusa_loss, seq_mean
 
@@ -355,6 +364,10 @@ def _train(cfg: TrainConfig, held: list) -> dict:
     if len(records) < 2:
         raise ConfigError(f"{data_path} holds fewer than 2 usable records")
     train_idx, eval_idx = split_records(records, cfg.eval_fraction, cfg.seed)
+    try:
+        check_source_weights(cfg.source_weights, {records[i].source for i in train_idx})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     torch.manual_seed(cfg.seed)
     head = build_draft_head(cfg, model, [records[i] for i in train_idx])
@@ -410,15 +423,20 @@ def _train(cfg: TrainConfig, held: list) -> dict:
         cache = FeatureCache(cfg.cache_dir or out / "features", [r.key() for r in records], source)
     per_rank, world = cfg.batch_size, accelerator.num_processes
     global_batch = per_rank * world
-    if len(train_idx) < global_batch and not cfg.eval_only:  # eval_only trains nothing: any split will do
-        raise ConfigError(f"{len(train_idx)} training records are fewer than one global batch ({global_batch})")
     orders: dict[int, list[int]] = {}
 
     def order_for_epoch(epoch: int) -> list[int]:
         if epoch not in orders:
-            perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-            orders[epoch] = length_sorted_windows([train_idx[i] for i in perm.tolist()], records, cfg.length_window)
+            gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+            pool = source_weighted(train_idx, records, cfg.source_weights, gen)
+            perm = torch.randperm(len(pool), generator=gen)
+            orders[epoch] = length_sorted_windows([pool[i] for i in perm.tolist()], records, cfg.length_window)
         return orders[epoch]
+
+    n_epoch = len(order_for_epoch(0))  # the same every epoch (source_weighted)
+    if n_epoch < global_batch and not cfg.eval_only:  # eval_only trains nothing: any split will do
+        raise ConfigError(f"{n_epoch} training records{' (weighed by source_weights)' if cfg.source_weights else ''} "
+                          f"are fewer than one global batch ({global_batch})")
 
     def features_for(batch):
         if cfg.head_type == "medusa2":
@@ -467,7 +485,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
         t0 = time.time()
         logs = {}
         for micro in range(cfg.grad_accum):
-            idx = batch_indices(order_for_epoch, len(train_idx), step * cfg.grad_accum + micro, global_batch,
+            idx = batch_indices(order_for_epoch, n_epoch, step * cfg.grad_accum + micro, global_batch,
                                 accelerator.process_index, per_rank)
             batch = collate(records, idx).to(accelerator.device)
             feats = features_for(batch)
@@ -512,7 +530,8 @@ def _train(cfg: TrainConfig, held: list) -> dict:
             "tokens": int(sum(sum(r.loss_mask) for r in records)), "wall_time_s": round(time.time() - t_start),
             "peak_memory_mb": peak_memory_mb(),
             "acceptance": {k[9:]: round(v, 4) for k, v in last_eval.items() if k.startswith("eval_acc_")},
-            "tau": round(last_eval.get("eval_tau", 0.0), 3), **cfg.extra,
+            "tau": round(last_eval.get("eval_tau", 0.0), 3),
+            **({"source_weights": dict(sorted(cfg.source_weights.items()))} if cfg.source_weights else {}), **cfg.extra,
         }
         try:
             if cfg.head_type == "medusa2":  # the adapter first; the head's config then declares it (heads.io.verifier_adapter)
