@@ -69,6 +69,30 @@ def test_a_negative_skip_is_one_line(tmp_path, capsys, no_loading):
     one_line(capsys, "--skip")
 
 
+def test_sources_distils_one_kind_of_prompt_first(tmp_path, capsys):
+    """--sources keeps the prompts of the named sources within --skip/--limit, in order; the
+    file continued without it fills in the rest; a source not in the range is one line, before
+    the verifier loads."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"{src}-{i}", "prompt": f"Repeat: {src} {i}"}) + "\n"
+                               for i, src in enumerate(["chat", "math", "code", "chat", "math", "chat"])))
+    out = tmp_path / "d.jsonl"
+    assert distil(out, "--limit", "5", "--sources", "chat,code", prompts=str(prompts)) == 0
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()[1:]]
+    assert ids == ["chat-0", "code-2", "chat-3"]
+    assert distil(out, prompts=str(prompts)) == 0
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()[1:]]
+    assert ids[:3] == ["chat-0", "code-2", "chat-3"] and sorted(ids[3:]) == ["chat-5", "math-1", "math-4"]
+    capsys.readouterr()
+    assert distil(out, "--limit", "2", "--sources", "code", prompts=str(prompts)) == 2  # code-2 lies past the range
+    one_line(capsys, "--sources code", "chat, math")
+
+
+def test_sources_refused_before_loading(tmp_path, capsys, no_loading):
+    assert distil(tmp_path / "d.jsonl", "--sources", "chat") == 2
+    one_line(capsys, "--sources chat", "synthetic")
+
+
 @pytest.fixture(scope="module")
 def llama_data(tmp_path_factory):
     """Data distilled from tiny-random:llama through the command (header first, 6 records)."""

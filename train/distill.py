@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.data import distill, load_prompts
+from train.data import distill, load_prompts, record_source
 
 #: the generation settings distill() uses beyond the command line's (recorded in the header)
 MAX_PROMPT_TOKENS, MAX_CONVERSATION_TOKENS = 768, 1536
@@ -29,6 +29,20 @@ MAX_PROMPT_TOKENS, MAX_CONVERSATION_TOKENS = 768, 1536
 
 def _stop_on_sigterm(signum, frame):
     raise KeyboardInterrupt
+
+
+def prompts_of_sources(prompts: list, sources: list[str]) -> list:
+    """The prompts whose id names one of ``sources`` (:func:`train.data.record_source`), in order;
+    a source none of ``prompts`` comes from is refused by name (a typo would distil nothing)."""
+    from infer.errors import UserError
+
+    there = {record_source(q.id) for q in prompts}
+    unknown = [x for x in sources if x not in there]
+    if unknown or not sources:
+        raise UserError(f"--sources {','.join(unknown) or '(empty)'}: no prompt in this range comes from it (sources "
+                        f"there: {', '.join(sorted(there)) or 'none'})")
+    wanted = set(sources)
+    return [q for q in prompts if record_source(q.id) in wanted]
 
 
 def main(argv=None) -> int:
@@ -40,6 +54,9 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="first N prompts only (0 = all)")
     p.add_argument("--skip", type=int, default=0,
                    help="leave out the first N prompts (after --shuffle, before --limit): distill a later range first")
+    p.add_argument("--sources", default="",
+                   help="only prompts of these prompt sources (comma-separated id prefixes, e.g. "
+                        "oasst_en_100_text,self_instruct_seed), after --skip and --limit: one kind of prompt first")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -89,6 +106,8 @@ def main(argv=None) -> int:
                 raise
             except (OSError, ValueError) as e:
                 raise UserError(f"cannot read prompts {args.prompts}: {e}") from None
+            if args.sources:
+                prompts = prompts_of_sources(prompts, [x.strip() for x in args.sources.split(",") if x.strip()])
         lock = lock_file(out, f"--out {out}")  # held until this process ends
         scan = scan_output(out)  # a damaged file or one without a header: refused before loading
         if args.write_header_only and scan.header is not None:
