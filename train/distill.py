@@ -28,6 +28,9 @@ MAX_PROMPT_TOKENS, MAX_CONVERSATION_TOKENS = 768, 1536
 
 
 def _stop_on_sigterm(signum, frame):
+    """Stop as Ctrl-C does, once: a second SIGTERM (the command forwards one and, as it ends, the
+    kernel sends another) must not break the clean-up into a traceback."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
