@@ -281,6 +281,15 @@ def split_records(records: list[Record], eval_fraction: float, seed: int) -> tup
     return [i for i in range(len(records)) if i not in held_set], sorted(held)
 
 
+def records_by_source(order: list[int], records) -> dict[str, list[int]]:
+    """The indices of ``order`` grouped by their record's prompt source (``Record.source``), each
+    group in ``order``'s order, sources sorted by name."""
+    groups: dict[str, list[int]] = {}
+    for i in order:
+        groups.setdefault(records[i].source, []).append(i)
+    return dict(sorted(groups.items()))
+
+
 def source_weighted(train_idx: list[int], records: list[Record], weights: dict[str, float], generator) -> list[int]:
     """One epoch's training records before shuffling, each prompt source (:attr:`Record.source`)
     weighed by ``weights`` (a source not named: 1). A source of ``n`` training records and weight
@@ -292,12 +301,8 @@ def source_weighted(train_idx: list[int], records: list[Record], weights: dict[s
     train_idx: [n] record indices; generator: a seeded ``torch.Generator``. Returns [m] indices."""
     if not weights:
         return list(train_idx)
-    groups: dict[str, list[int]] = {}
-    for i in train_idx:
-        groups.setdefault(records[i].source, []).append(i)
     out: list[int] = []
-    for source in sorted(groups):
-        idx = groups[source]
+    for source, idx in records_by_source(train_idx, records).items():
         w = float(weights.get(source, 1.0))
         whole, rest = int(w), round(w * len(idx)) - int(w) * len(idx)
         out += idx * whole

@@ -61,6 +61,7 @@ from train.data import (
     distill,
     load_prompts,
     load_records,
+    records_by_source,
     response_token_counts,
     source_weighted,
     split_records,
@@ -193,15 +194,6 @@ def length_sorted_windows(order: list[int], records, window: int) -> list[int]:
     for start in range(0, len(order), window):
         out += sorted(order[start : start + window], key=lambda i: len(records[i].input_ids))
     return out
-
-
-def records_by_source(order: list[int], records) -> dict[str, list[int]]:
-    """The indices of ``order`` grouped by their record's prompt source (``Record.source``), each
-    group in ``order``'s order, sources sorted by name."""
-    groups: dict[str, list[int]] = {}
-    for i in order:
-        groups.setdefault(records[i].source, []).append(i)
-    return dict(sorted(groups.items()))
 
 
 def peak_memory_mb() -> int:
