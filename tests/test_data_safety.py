@@ -462,6 +462,8 @@ def test_a_glob_pattern_selects_one_series_of_parts(tmp_path, capsys, llama_data
         one_line(capsys, message, prefix="train_heads: error: ")
     with pytest.raises(DataError, match="matches no"):
         load_records(f"{parts}/none-*", 128)
+    with pytest.raises(DataError, match="matches the directory .*parts: give the directory itself"):
+        load_records(f"{tmp_path}/par*", 128)  # a pattern of the directory, not of its files
     # ``**`` goes down directories; an existing name with glob characters is that file, not a pattern
     (parts / "deeper").mkdir()
     (parts / "late-001.jsonl.xz").rename(parts / "deeper" / "late-001.jsonl.xz")

@@ -361,7 +361,9 @@ def data_files(path: str | Path) -> list[Path]:
         found = glob.glob(literal_prefix_escaped(path), recursive=True)
         parts = sorted(Path(p) for p in found if p.endswith(DATA_SUFFIXES) and Path(p).is_file())
         if not parts:
-            raise DataError(f"data pattern {path} matches no *.jsonl, *.jsonl.gz or *.jsonl.xz file")
+            dirs = sorted(p for p in found if Path(p).is_dir())
+            hint = f" (it matches the directory {dirs[0]}: give the directory itself, or a pattern of its files)" if dirs else ""
+            raise DataError(f"data pattern {path} matches no *.jsonl, *.jsonl.gz or *.jsonl.xz file{hint}")
         return parts
     path = Path(path)
     if path.is_dir():
