@@ -36,6 +36,12 @@ class VerifierOutput:
     features: torch.Tensor | None
 
 
+def cache_keyword(model) -> str:
+    """The name ``model.forward`` takes its KV cache by: transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` (the old name still works, with a warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def cache_layers(cache: DynamicCache) -> list:
     """The initialised layers of a cache (each with ``keys`` / ``values`` ``[B, H, S, D]``)."""
     return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
@@ -107,9 +113,7 @@ class Verifier:
         self._mask_min = torch.finfo(self.dtype).min
         self._mask: torch.Tensor | None = None  # reused tree-mask buffer, see _tree_mask
         self._clean = 0  # columns [0, _clean) of the buffer are all 0 (visible)
-        # transformers 5.24 renamed `past_key_values` to `cache`; use whichever forward() takes
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(model)
 
     def check_fits(self, total_length: int) -> None:
         """Refuse, before any work, a generation whose positions exceed what the model handles."""

@@ -282,6 +282,37 @@ def test_distill_resumes_and_writes_each_record_once(tmp_path):
         assert rec["loss_mask"] == sorted(rec["loss_mask"])  # prompt (0s) then response (1s)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_batched_distill_answers_equal_each_prompt_alone(arch):
+    """Left padding, explicit positions and rows leaving the batch as they end: every answer is the
+    verifier's own greedy continuation of its prompt alone (HF ``generate``, one prompt)."""
+    from train.data import _generate
+
+    model = load_verifier(f"tiny-random:{arch}").model
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 11, 6, 17)]
+    with torch.inference_mode():
+        alone = [model.generate(torch.tensor([e]), attention_mask=torch.ones(1, len(e), dtype=torch.long),
+                                max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(e):].tolist()
+                 for e in seqs]
+    stop = alone[1][4]  # an end token that ends row 1 at step 5 and may end others earlier or never
+
+    def cut(resp):
+        return resp[: resp.index(stop) + 1] if stop in resp else resp
+
+    with torch.inference_mode():
+        got = _generate(model, seqs, pad=0, eos=[stop], max_new_tokens=12, temperature=0.0)
+    assert got == [cut(r) for r in alone]
+    assert min(map(len, got)) < 12 == max(map(len, got))  # rows did leave the batch early, and one ran to the end
+
+
+def test_length_sorted_sorts_within_windows_only():
+    from train.data import length_sorted
+
+    assert length_sorted([5, 1, 3, 9, 2, 8, 7], 3) == [1, 2, 0, 4, 5, 3, 6]
+    assert length_sorted([], 4) == []
+
+
 def test_config_rejects_unknown_keys_and_bad_values(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'learning_rate'"):
         load_config(RECIPE, ["learning_rate=1"])

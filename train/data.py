@@ -36,6 +36,9 @@ from train.datafile import (  # noqa: F401 - write_header / make_header: prepend
     write_header,
 )
 
+#: distill() sorts the prompts by length within runs of this many batches (see length_sorted)
+SORT_WINDOW_BATCHES = 8
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -98,28 +101,73 @@ def _turn_joint(tokenizer, eos_text: str | None) -> callable:
     return joint
 
 
-def _generate(model, seqs: list[list[int]], pad: int, eos: list[int], max_new_tokens: int, temperature: float) -> list[list[int]]:
-    """The verifier's continuations of ``seqs`` (left-padded into one batch), each cut after its
-    first end-of-sequence token."""
+def _generate(model, seqs: list[list[int]], pad: int, eos: list[int], max_new_tokens: int, temperature: float,
+              generator: torch.Generator | None = None) -> list[list[int]]:
+    """The verifier's continuations of ``seqs``, each cut after its first end-of-sequence token:
+    one left-padded batch (explicit ``position_ids``), greedy at ``temperature`` 0, else sampled
+    from the verifier's distribution at ``temperature`` (no top-k / top-p) with ``generator``.
+
+    A row leaves the batch as soon as it ends (its cache rows dropped through the cache object),
+    so a batch costs the sum of its answers' lengths rather than its size times the longest
+    answer (``model.generate`` keeps every row to the end). The token ids come to the host once
+    a step (one small copy): the rows' bookkeeping is host-side, as in ``generate``.
+
+    seqs: B lists of token ids -> B lists of at most ``max_new_tokens`` new token ids."""
+    from transformers import DynamicCache
+
+    from infer.verifier import cache_keyword
+
     device = next(model.parameters()).device
     width = max(len(e) for e in seqs)
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, e in enumerate(seqs):  # left padding
-        ids[i, width - len(e) :] = torch.tensor(e)
+        ids[i, width - len(e) :] = torch.tensor(e, dtype=torch.long)
         mask[i, width - len(e) :] = 1
-    kwargs = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos or None, pad_token_id=pad, **kwargs)
-    responses = []
-    for i in range(len(seqs)):
-        resp = out[i, width:].tolist()
-        for j, t in enumerate(resp):
-            if t in eos:
-                resp = resp[: j + 1]
-                break
-        responses.append(resp)
+    ids, mask = ids.to(device), mask.to(device)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, width): each row counts from its first token
+    cache = DynamicCache(config=model.config)
+    uses = {cache_keyword(model): cache}
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1,
+                   **uses).logits[:, -1]
+    rows = list(range(len(seqs)))  # the input row each batch row holds
+    nxt_pos = position[:, -1:] + 1  # (B, 1)
+    responses: list[list[int]] = [[] for _ in seqs]
+    ends = set(eos)
+    for step in range(max_new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        else:
+            nxt = logits.argmax(dim=-1)
+        chosen = nxt.tolist()  # (b,) on the host: the one copy a step
+        for r, t in zip(rows, chosen):
+            responses[r].append(t)
+        keep = [j for j, t in enumerate(chosen) if t not in ends]
+        if not keep or step + 1 == max_new_tokens:
+            break
+        if len(keep) < len(rows):  # drop the ended rows everywhere
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, nxt, nxt_pos = mask[index], nxt[index], nxt_pos[index]
+            rows = [rows[j] for j in keep]
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=nxt_pos, use_cache=True,
+                       **uses).logits[:, -1]
+        nxt_pos = nxt_pos + 1
     return responses
+
+
+def length_sorted(lengths: list[int], window: int) -> list[int]:
+    """An order of ``len(lengths)`` items that sorts each run of ``window`` consecutive items by
+    length (shortest first) and keeps the runs in order: batches cut from it hold prompts of
+    similar length (little left padding) while any prefix keeps the original mix of sources.
+
+    lengths: N ints -> a permutation of range(N)."""
+    order = []
+    for start in range(0, len(lengths), max(window, 1)):
+        order += sorted(range(start, min(start + max(window, 1), len(lengths))), key=lambda i: lengths[i])
+    return order
 
 
 @torch.inference_mode()
@@ -181,17 +229,20 @@ def _distill(model, tokenizer, prompts, out_path: Path, done: set[str], *, max_n
     eos_text = tokenizer.decode(eos[:1]) if eos else None
     joint = _turn_joint(tokenizer, eos_text) if any(p.later_turns for p in todo) else None
     written = 0
-    torch.manual_seed(seed)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    firsts = [encode_prompt(tokenizer, p.text)[-max_prompt_tokens:].tolist() for p in todo]
+    order = length_sorted([len(e) for e in firsts], SORT_WINDOW_BATCHES * batch_size)
+    todo, firsts = [todo[i] for i in order], [firsts[i] for i in order]
     with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                                            desc="distill", disable=not progress) as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            seqs = [encode_prompt(tokenizer, p.text)[-max_prompt_tokens:].tolist() for p in batch]
+            seqs = [list(e) for e in firsts[start : start + batch_size]]
             masks = [[0] * len(e) for e in seqs]
             history = [[{"role": "user", "content": p.text}] for p in batch]
             live = list(range(len(batch)))
             for turn in range(1 + max((len(p.later_turns) for p in batch), default=0)):
-                responses = _generate(model, [seqs[i] for i in live], pad, eos, max_new_tokens, temperature)
+                responses = _generate(model, [seqs[i] for i in live], pad, eos, max_new_tokens, temperature, generator)
                 nxt = []
                 for i, resp in zip(live, responses):
                     seqs[i] += resp
