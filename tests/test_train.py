@@ -306,6 +306,35 @@ def test_batched_distill_answers_equal_each_prompt_alone(arch):
     assert min(map(len, got)) < 12 == max(map(len, got))  # rows did leave the batch early, and one ran to the end
 
 
+def test_multi_turn_distillation_answers_each_turn_in_its_own_context(tmp_path):
+    """A conversation batched with a one-turn prompt: the record holds every turn, and each answer
+    (a run of 1s in the loss mask) is the verifier's greedy continuation of everything before it."""
+    import itertools
+
+    from infer.text import eos_ids
+
+    lv = load_verifier("tiny-random:llama")
+    (tmp_path / "p.jsonl").write_text('{"id": "mt-1", "turns": ["say hi", "and again", "a third"]}\n'
+                                      '{"id": "one-1", "prompt": "one turn only"}\n')
+    distill(lv.model, lv.tokenizer, load_prompts(str(tmp_path / "p.jsonl"), 0, 0), tmp_path / "d.jsonl",
+            max_new_tokens=8, batch_size=4, progress=False)
+    records = {r["id"]: r for r in map(json.loads, (tmp_path / "d.jsonl").read_text().splitlines()[1:])}
+    eos = eos_ids(lv.model, lv.tokenizer)
+    answers = 0
+    for rec in records.values():
+        ids, mask, pos = rec["input_ids"], rec["loss_mask"], 0
+        for bit, run in itertools.groupby(mask):
+            n = len(list(run))
+            if bit:
+                with torch.inference_mode():
+                    alone = lv.model.generate(torch.tensor([ids[:pos]]), attention_mask=torch.ones(1, pos, dtype=torch.long),
+                                              max_new_tokens=n, do_sample=False, eos_token_id=eos or None, pad_token_id=0)
+                assert alone[0, pos:].tolist() == ids[pos : pos + n]
+                answers += 1
+            pos += n
+    assert answers == 4 and sum(records["mt-1"]["loss_mask"]) > sum(records["one-1"]["loss_mask"])
+
+
 def test_length_sorted_sorts_within_windows_only():
     from train.data import length_sorted
 
