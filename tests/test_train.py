@@ -306,6 +306,24 @@ def test_batched_distill_answers_equal_each_prompt_alone(arch):
     assert min(map(len, got)) < 12 == max(map(len, got))  # rows did leave the batch early, and one ran to the end
 
 
+def test_sampled_distill_answers_follow_the_verifier_distribution():
+    """Sampled distillation at temperature T draws each prompt's token from softmax(logits / T) of
+    that prompt alone, left padding and all (two prompt lengths in one batch)."""
+    from train.data import _generate
+
+    model = load_verifier("tiny-random:llama").model
+    prompts, n, temperature = [[5, 17, 42], [9, 3, 88, 120, 7, 61, 33]], 20000, 0.7
+    with torch.inference_mode():
+        got = _generate(model, [e for e in prompts for _ in range(n)], pad=0, eos=[], max_new_tokens=1,
+                        temperature=temperature, generator=torch.Generator().manual_seed(1))
+        for k, e in enumerate(prompts):
+            logits = model(torch.tensor([e])).logits[0, -1].float()
+            want, wrong = torch.softmax(logits / temperature, -1), torch.softmax(logits, -1)
+            seen = torch.bincount(torch.tensor([a[0] for a in got[k * n : (k + 1) * n]]), minlength=len(want)) / n
+            assert 0.5 * (seen - want).abs().sum() < 0.05  # sampling noise at n = 20,000: ~0.03
+            assert 0.5 * (wrong - want).abs().sum() > 0.1  # the test would see a wrong temperature
+
+
 def test_multi_turn_distillation_answers_each_turn_in_its_own_context(tmp_path):
     """A conversation batched with a one-turn prompt: the record holds every turn, and each answer
     (a run of 1s in the loss mask) is the verifier's greedy continuation of everything before it."""
