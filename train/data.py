@@ -231,8 +231,10 @@ def _distill(model, tokenizer, prompts, out_path: Path, done: set[str], *, max_n
     written = 0
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     firsts = [encode_prompt(tokenizer, p.text)[-max_prompt_tokens:].tolist() for p in todo]
-    order = length_sorted([len(e) for e in firsts], SORT_WINDOW_BATCHES * batch_size)
+    window = SORT_WINDOW_BATCHES * batch_size
+    order = length_sorted([len(e) for e in firsts], window)
     todo, firsts = [todo[i] for i in order], [firsts[i] for i in order]
+    pending: list[tuple[int, str]] = []  # (prompt position, record line) of the window being distilled
     with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                                            desc="distill", disable=not progress) as bar:
         for start in range(0, len(todo), batch_size):
@@ -259,12 +261,15 @@ def _distill(model, tokenizer, prompts, out_path: Path, done: set[str], *, max_n
                 live = nxt
                 if not live:
                     break
-            lines = [json.dumps({"id": p.id, "input_ids": e, "loss_mask": m}) + "\n" for p, e, m in zip(batch, seqs, masks)]
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
-            written += len(batch)
+            pending += [(order[start + j], json.dumps({"id": p.id, "input_ids": e, "loss_mask": m}) + "\n")
+                        for j, (p, e, m) in enumerate(zip(batch, seqs, masks))]
             bar.update(len(batch))
+            if len(pending) >= window or start + batch_size >= len(todo):  # a window is written in prompt order
+                f.write("".join(line for _, line in sorted(pending)))
+                f.flush()
+                os.fsync(f.fileno())
+                written += len(pending)
+                pending = []
     return written
 
 
