@@ -59,6 +59,7 @@ from train.data import (
     check_source_weights,
     collate,
     distill,
+    length_sorted,
     load_prompts,
     load_records,
     records_by_source,
@@ -188,12 +189,7 @@ def length_sorted_windows(order: list[int], records, window: int) -> list[int]:
     """``order`` with each run of ``window`` consecutive records sorted by length (0: unchanged),
     so that a batch holds records of similar length and little padding is computed. The windows
     do not depend on the batch size, so accumulation and process count still see the same records."""
-    if window <= 1:
-        return list(order)
-    out = []
-    for start in range(0, len(order), window):
-        out += sorted(order[start : start + window], key=lambda i: len(records[i].input_ids))
-    return out
+    return [order[j] for j in length_sorted([len(records[i].input_ids) for i in order], window)]
 
 
 def peak_memory_mb() -> int:
