@@ -299,10 +299,12 @@ def draft_dtype(verifier_model, choice: str | torch.dtype | None = "auto") -> to
         raise UserError(f"draft dtype must be auto, fp32, bf16 or fp16, not {choice!r}")
     if device.type != "cpu" or dtype != torch.float32:
         return dtype
-    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
-def _cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has native bfloat16 dot products (AVX512-BF16 or AMX; without them torch
+    runs bfloat16 matrix products in a slow fallback, single-threaded here)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

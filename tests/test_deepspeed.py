@@ -172,3 +172,20 @@ def test_dev_extras_install_deepspeed():
     extra = re.search(r"^deepspeed = \[(.*)\]$", text, re.M).group(1)
     assert '"deepspeed>=0.19.8,<0.20"' in dev and extra == '"deepspeed>=0.19.8,<0.20"'
     assert deepspeed.__version__.startswith("0.19."), deepspeed.__version__
+
+
+def test_a_run_ends_with_zero3_gathers_drained_and_the_engine_destroyed():
+    """A finished or interrupted run waits for ZeRO-3's in-flight parameter gathers and destroys
+    the engine before the trackers end, while the interpreter is alive (left to interpreter
+    shutdown, gloo's threads can abort the process after a run that finished)."""
+    from train.accel import end_run
+
+    calls = []
+    engine = SimpleNamespace(empty_partition_cache=lambda: calls.append("drain"))
+    acc = SimpleNamespace(deepspeed_engine_wrapped=SimpleNamespace(engine=engine),
+                          free_memory=lambda: calls.append("destroy"), end_training=lambda: calls.append("end"))
+    end_run(acc)
+    assert calls == ["drain", "destroy", "end"]
+    calls.clear()
+    end_run(SimpleNamespace(free_memory=lambda: calls.append("destroy"), end_training=lambda: calls.append("end")))
+    assert calls == ["destroy", "end"]  # no DeepSpeed: nothing to drain

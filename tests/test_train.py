@@ -111,6 +111,20 @@ def test_length_windows_sort_within_windows_only():
     assert length_sorted_windows([0, 1, 2, 3, 4, 5], records, 0) == [0, 1, 2, 3, 4, 5]
 
 
+def test_bf16_autocast_on_a_cpu_without_native_bf16_is_warned_about(monkeypatch):
+    import infer.head_drafters as hd
+    from train.train_heads import slow_autocast_warning
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(hd, "cpu_has_fast_bf16", lambda: False)
+    warning = slow_autocast_warning(cpu, "bf16")
+    assert warning and "mixed_precision=no" in warning and "\n" not in warning
+    assert slow_autocast_warning(cpu, "no") is None and slow_autocast_warning(cpu, "fp16") is None
+    assert slow_autocast_warning(torch.device("cuda"), "bf16") is None  # not a CPU question
+    monkeypatch.setattr(hd, "cpu_has_fast_bf16", lambda: True)
+    assert slow_autocast_warning(cpu, "bf16") is None
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, distilled):
     """8 steps in one go (checkpoints do not change the run): its history and final head."""

@@ -39,6 +39,7 @@ from heads.config import weights_fingerprint
 from heads.io import ADAPTER, adapter_digest, write_atomic
 from train.accel import (
     accelerator_kwargs,
+    end_run,
     fill_deepspeed_config,
     keep_models_whole,
     restrict_checkpoint_loading,
@@ -293,6 +294,19 @@ def train(cfg: TrainConfig) -> dict:
             lock.release()
 
 
+def slow_autocast_warning(device: torch.device, mixed_precision: str) -> str | None:
+    """A one-line warning when bf16 autocast is asked for on a CPU without native bfloat16 dot
+    products: torch then runs the head's bf16 matrix products in a slow fallback (one thread;
+    BENCHMARKS.md, session 25: a training step of the default head ~29x slower than float32 on a
+    2-core AVX2 CPU)."""
+    from infer.head_drafters import cpu_has_fast_bf16
+
+    if device.type != "cpu" or mixed_precision != "bf16" or cpu_has_fast_bf16():
+        return None
+    return ("train_heads: warning: mixed_precision=bf16 on a CPU without native bfloat16 dot products "
+            "(no AVX512-BF16 or AMX): its matrix products run in a slow fallback; mixed_precision=no trains faster here")
+
+
 def _train(cfg: TrainConfig, held: list) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -311,6 +325,9 @@ def _train(cfg: TrainConfig, held: list) -> dict:
     )
     set_seed(cfg.seed)
     accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, device {accelerator.device}")
+    warning = slow_autocast_warning(accelerator.device, cfg.mixed_precision)
+    if warning and accelerator.is_main_process:
+        print(warning, file=sys.stderr)
     t_start = time.time()
     data_path = cfg.distilled_path
     prompts = None
@@ -464,7 +481,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
                 by_source[source] = {"records": len(idx), **{k[5:]: round(v, 4) for k, v in res.items()}}
         accelerator.print(json.dumps({"eval_only": True, "head": cfg.init_from, "eval_records": len(eval_order),
                                       **{k: round(v, 4) for k, v in result.items()}, "by_source": by_source}))
-        accelerator.end_training()
+        end_run(accelerator)
         return {"step": step, "interrupted": False, "history": [], "eval": result, "eval_by_source": by_source,
                 "head": head, "verifier": verifier}
     head.train()
@@ -504,7 +521,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
             save_checkpoint(accelerator, joint, optimizer, ckpt_dir, step, history, cfg.keep_checkpoints)
         if cfg.interrupt_after and step >= cfg.interrupt_after:
             accelerator.print(f"interrupted after step {step} (interrupt_after)")
-            accelerator.end_training()
+            end_run(accelerator)
             return {"step": step, "interrupted": True, "history": history, "head": head, "verifier": verifier}
 
     accelerator.wait_for_everyone()
@@ -530,7 +547,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
         except write_errors() as e:
             raise CheckpointWriteError(f"cannot write the trained head into {out}: {_reason(e)}; free space there "
                                        "and continue with --resume (from the last complete checkpoint)") from None
-    accelerator.end_training()
+    end_run(accelerator)
     return {"step": step, "interrupted": False, "history": history, "eval": last_eval, "head": head, "verifier": verifier}
 
 
