@@ -234,7 +234,10 @@ def _distill(model, tokenizer, prompts, out_path: Path, done: set[str], *, max_n
     window = SORT_WINDOW_BATCHES * batch_size
     order = length_sorted([len(e) for e in firsts], window)
     todo, firsts = [todo[i] for i in order], [firsts[i] for i in order]
-    pending: list[tuple[int, str]] = []  # (prompt position, record line) of the window being distilled
+    # (prompt position, record line) of the window being distilled: a window is written in prompt order, so the
+    # file stays a prefix of the prompt list in its order (MANIFEST's "how far" is a prompt count, a source-balanced
+    # prompt file stays balanced in every prefix); the cost is that a kill loses the window's finished answers.
+    pending: list[tuple[int, str]] = []
     with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                                            desc="distill", disable=not progress) as bar:
         for start in range(0, len(todo), batch_size):
