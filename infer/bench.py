@@ -123,7 +123,8 @@ def run_bench(
     expanded = []
     drafter_of = {}  # spec method -> its drafter, whose learnt state each row records
     baseline_of = {}  # spec method -> the vanilla row on its own kernel
-    engine_kernels = sorted({verifiers[kernels.get(label, "auto")].kernel for label in drafters} - {"stock"}) \
+    # hybrid's baseline is stock HF: its one-token passes run on the stock kernel, as HF generate's decoding does
+    engine_kernels = sorted({verifiers[kernels.get(label, "auto")].kernel for label in drafters} - {"stock", "hybrid"}) \
         if "spec" in methods else []
     for m in methods:
         if m == "vanilla":
@@ -140,7 +141,7 @@ def run_bench(
             v = verifiers[kernels.get(label, "auto")]
             runners[name] = lambda ids, d=d, v=v: _spec(v, d, ids, max_new_tokens, eos, tree, temperature, seed)
             drafter_of[name] = d
-            baseline_of[name] = "vanilla" if v.kernel == "stock" else f"vanilla[{v.kernel}]"
+            baseline_of[name] = "vanilla" if v.kernel in ("stock", "hybrid") else f"vanilla[{v.kernel}]"
             expanded.append(name)
     methods = tuple(expanded)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]

@@ -10,7 +10,12 @@ matrix-vector products), so a 2- or 3-node tree cost more to verify than an 8-no
 :class:`OneDNNLinear` routes ``torch.nn.functional.linear`` through oneDNN for float32 CPU
 tensors while it is active (a ``TorchFunctionMode``: the model and its modeling code stay as they
 are). :func:`linear_kernel` decides per model: ``auto`` measures both kernels on the model's own
-output projection, once per model, and keeps oneDNN only where it is clearly faster; GPUs,
+output projection, once per model, and keeps oneDNN only where it is clearly faster; where oneDNN
+wins the output projection's products but a one-token forward is slower on it (a 2-core AVX2 EPYC:
+the inner layers' one-row products and the mode's per-operation cost; HF ``generate`` on oneDNN
+ran at 0.87x the stock kernel's speed there), ``hybrid`` runs the one-token passes (plain
+decoding, a step whose draft is paused) on the stock kernel with no mode and the tree passes on
+oneDNN; GPUs,
 half-precision models (PyTorch already uses oneDNN for bf16 on CPU) and tiny models keep the stock
 kernel. The kernels round differently in the last bits, like any two batch sizes of one kernel;
 greedy outputs are checked for identity by the tests and by every benchmark.
@@ -29,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import UserError
 
-KERNELS = ("auto", "stock", "onednn")
+KERNELS = ("auto", "stock", "onednn", "hybrid")
 
 #: below this many output-projection weights a model is a test-sized toy: timing is noise there
 MIN_PROBE_WEIGHTS = 1 << 20
@@ -44,21 +49,28 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _routable(x, weight) -> bool:
+def _routable(x, weight, min_rows: int = 1) -> bool:
+    """Whether ``F.linear(x [..., in], weight [out, in])`` may run on oneDNN: float32 CPU inference
+    with at least ``min_rows`` rows (shapes only: nothing waits on the device)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.dim() == 2 and x.dim() >= 1 and not torch.is_grad_enabled() and x.shape[-1] == weight.shape[1])
+            and weight.dim() == 2 and x.dim() >= 1 and not torch.is_grad_enabled() and x.shape[-1] == weight.shape[1]
+            and x.numel() >= min_rows * x.shape[-1])
 
 
 class OneDNNLinear(TorchFunctionMode):
-    """While active, float32 CPU ``F.linear`` calls without autograd run on oneDNN; everything
-    else runs as it would."""
+    """While active, float32 CPU ``F.linear`` calls without autograd of at least ``min_rows``
+    rows run on oneDNN; everything else runs as it would."""
+
+    def __init__(self, min_rows: int = 1):
+        super().__init__()
+        self.min_rows = min_rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if _routable(x, weight):
+            if _routable(x, weight, self.min_rows):
                 return onednn_linear(x, weight, bias)
         return func(*args, **kwargs)
 
@@ -86,18 +98,45 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def measure_linear(weight: torch.Tensor, rows=(1, 4, 8), repeats: int = 3) -> dict:
-    """Seconds of ``x [m, in] @ weight.T`` per kernel, summed over ``m`` in ``rows`` (medians)."""
+    """Median seconds of ``x [m, in] @ weight.T`` per kernel and row count:
+    ``{"stock": {m: s, ...}, "onednn": {m: s, ...}}`` for ``m`` in ``rows``."""
     out = {}
     with torch.inference_mode():
-        xs = [torch.randn(m, weight.shape[1], dtype=weight.dtype) for m in rows]
-        out["stock"] = sum(median_seconds(lambda x=x: F.linear(x, weight), repeats) for x in xs)
-        out["onednn"] = sum(median_seconds(lambda x=x: onednn_linear(x, weight), repeats) for x in xs)
+        xs = {m: torch.randn(m, weight.shape[1], dtype=weight.dtype) for m in rows}
+        out["stock"] = {m: median_seconds(lambda x=x: F.linear(x, weight), repeats) for m, x in xs.items()}
+        out["onednn"] = {m: median_seconds(lambda x=x: onednn_linear(x, weight), repeats) for m, x in xs.items()}
     return out
 
 
-def choose_kernel(measured: dict, margin: float = 0.9) -> str:
-    """``onednn`` when it took under ``margin`` of the stock kernel's time, else ``stock``."""
-    return "onednn" if measured["onednn"] < margin * measured["stock"] else "stock"
+def measure_one_token(model, repeats: int = 7) -> dict:
+    """Median seconds of a one-token forward of ``model`` (no cache) per kernel: ``{"stock": s,
+    "onednn": s}``, the two timed in turn so that a slow moment of a shared machine hits both.
+    Unlike :func:`measure_linear` this counts every layer's products and the mode's own
+    per-operation cost, what a one-token step (plain decoding, a paused draft) pays."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    contexts = {"stock": contextlib.nullcontext, "onednn": OneDNNLinear}
+    times = {k: [] for k in contexts}
+    with torch.inference_mode():
+        for r in range(repeats + 1):  # the first round warms both up
+            for kernel, context in contexts.items():
+                t0 = time.perf_counter()
+                with context():
+                    model(input_ids=ids, use_cache=False)
+                if r:
+                    times[kernel].append(time.perf_counter() - t0)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def choose_kernel(measured: dict, one_token: dict | None = None, margin: float = 0.9) -> str:
+    """``stock`` unless oneDNN took under ``margin`` of the stock kernel's time on the output
+    projection's products (:func:`measure_linear`, summed over its row counts); then ``onednn``
+    where a one-token forward on it (:func:`measure_one_token`) is no slower than on stock, else
+    ``hybrid``: tree passes on oneDNN, one-token passes on the stock kernel."""
+    if sum(measured["onednn"].values()) >= margin * sum(measured["stock"].values()):
+        return "stock"
+    if one_token is not None and one_token["onednn"] > one_token["stock"]:
+        return "hybrid"
+    return "onednn"
 
 
 def check_kernel_device(choice: str, device) -> None:
@@ -105,34 +144,50 @@ def check_kernel_device(choice: str, device) -> None:
     every GPU operation of the verifier in a Python mode for nothing. ``device``: a string
     (``cpu``, ``cuda:0``) or a ``torch.device``; ``choice`` may be a comma-separated list."""
     kinds = {k.strip() for k in str(choice).split(",")}
-    if "onednn" in kinds and str(device).split(":")[0].strip() != "cpu":
-        raise UserError(f"--linear onednn is a CPU kernel: it cannot run the verifier on {device}; use --linear auto or stock there")
+    for kind in ("onednn", "hybrid"):
+        if kind in kinds and str(device).split(":")[0].strip() != "cpu":
+            raise UserError(f"--linear {kind} is a CPU kernel: it cannot run the verifier on {device}; use --linear auto or stock there")
 
 
 def linear_kernel(model, choice: str = "auto") -> str:
-    """The kernel the verifier's float32 CPU linears run on: ``stock`` or ``onednn``.
+    """The kernel the verifier's float32 CPU linears run on: ``stock``, ``onednn`` or ``hybrid``.
 
     ``auto``: oneDNN where it is available, the model computes in float32 on the CPU, its output
     projection has at least :data:`MIN_PROBE_WEIGHTS` weights and a ~0.3 s measurement on that
-    projection found oneDNN faster (measured once per model); otherwise stock. ``onednn`` forces
-    it (a UserError where this PyTorch cannot), ``stock`` never routes anything."""
+    projection found oneDNN faster; then a ~1 s measurement of one-token forwards keeps ``onednn``
+    where it is no slower there too, else ``hybrid`` (measured once per model); otherwise stock.
+    ``onednn`` forces it (a UserError where this PyTorch cannot), ``hybrid`` forces it for every
+    pass but the one-token ones, ``stock`` never routes anything."""
     if choice not in KERNELS:
         raise UserError(f"linear kernel must be one of {', '.join(KERNELS)}, not {choice!r}")
     if choice == "stock":
         return "stock"
-    if choice == "onednn":
+    if choice in ("onednn", "hybrid"):
         check_kernel_device(choice, model.get_output_embeddings().weight.device)
         if not onednn_available():
             raise UserError("this PyTorch build has no oneDNN float32 linear: use --linear stock or auto")
-        return "onednn"
+        return choice
     weight = model.get_output_embeddings().weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < MIN_PROBE_WEIGHTS:
         return "stock"
     if model not in _chosen:
-        _chosen[model] = choose_kernel(measure_linear(weight.detach())) if onednn_available() else "stock"
+        if not onednn_available():
+            _chosen[model] = "stock"
+        else:
+            measured = measure_linear(weight.detach())
+            _chosen[model] = choose_kernel(measured, measure_one_token(model) if choose_kernel(measured) != "stock" else None)
     return _chosen[model]
 
 
-def kernel_context(kernel: str) -> contextlib.AbstractContextManager:
-    """A context in which the verifier's forward passes run on ``kernel`` (``stock``: nothing changes)."""
-    return OneDNNLinear() if kernel == "onednn" else contextlib.nullcontext()
+def kernel_context(kernel: str, rows: int | None = None) -> contextlib.AbstractContextManager:
+    """A context in which forward passes run on ``kernel`` (``stock``: nothing changes). ``rows``:
+    the tokens of the pass, where the caller knows them; ``hybrid`` runs a one-token pass with no
+    mode at all (the mode's per-operation cost is what makes oneDNN slower there) and, with
+    ``rows`` unknown (HF ``generate``), routes only the products of 2 or more rows."""
+    if kernel == "onednn":
+        return OneDNNLinear()
+    if kernel == "hybrid":
+        if rows == 1:
+            return contextlib.nullcontext()
+        return OneDNNLinear(min_rows=2)
+    return contextlib.nullcontext()

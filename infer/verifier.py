@@ -93,7 +93,7 @@ class Verifier:
         model: any HF causal LM (Llama, Qwen2/3, Mistral, Gemma families); put in ``eval()``.
         feature_layers: indices into HF's ``hidden_states`` tuple that drafters need
             (0 = embeddings, ``i`` = output of decoder layer ``i``, -1 = final normed output).
-        linear: the kernel of its float32 CPU linear layers (``auto``, ``stock``, ``onednn``;
+        linear: the kernel of its float32 CPU linear layers (``auto``, ``stock``, ``onednn``, ``hybrid``;
             see :mod:`infer.kernels`): small-row products, what tree verification runs, are
             several times faster on oneDNN than on MKL on some CPUs. ``self.kernel`` tells the choice.
     """
@@ -101,7 +101,6 @@ class Verifier:
     def __init__(self, model, feature_layers: Sequence[int] = (), *, linear: str = "auto"):
         self.model = model.eval()
         self.kernel = linear_kernel(model, linear)
-        self._kernels = kernel_context(self.kernel)
         self.config = model.config
         self.feature_layers = tuple(feature_layers)
         self.cache: DynamicCache | None = None
@@ -124,7 +123,7 @@ class Verifier:
         """Run the prompt ``[L]`` from an empty cache; logits ``[1, V]`` for the last position."""
         self.cache = DynamicCache()
         ids = input_ids.to(self.device).view(1, -1)
-        with self._kernels:
+        with kernel_context(self.kernel, ids.shape[1]):
             out = self.model(
                 input_ids=ids,
                 use_cache=True,
@@ -149,7 +148,7 @@ class Verifier:
         n, past = tree.num_nodes, self.length
         tree = tree.to(self.device)
         mask = self._tree_mask(tree, past)
-        with self._kernels:
+        with kernel_context(self.kernel, n):
             out = self.model(
                 input_ids=tokens.to(self.device, non_blocking=True).view(1, n),
                 attention_mask=mask,
