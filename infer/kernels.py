@@ -171,11 +171,13 @@ def linear_kernel(model, choice: str = "auto") -> str:
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < MIN_PROBE_WEIGHTS:
         return "stock"
     if model not in _chosen:
-        if not onednn_available():
-            _chosen[model] = "stock"
-        else:
+        choice = "stock"
+        if onednn_available():
             measured = measure_linear(weight.detach())
-            _chosen[model] = choose_kernel(measured, measure_one_token(model) if choose_kernel(measured) != "stock" else None)
+            choice = choose_kernel(measured)
+            if choice != "stock":  # the one-token forwards are timed only where oneDNN won the products
+                choice = choose_kernel(measured, measure_one_token(model))
+        _chosen[model] = choice
     return _chosen[model]
 
 

@@ -29,6 +29,15 @@ def test_onednn_linear_matches_f_linear(shape, bias):
     torch.testing.assert_close(ours, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture
+def onednn_rows(monkeypatch):
+    """The row count of every product routed to oneDNN, in order."""
+    rows = []
+    real = kernels.onednn_linear
+    monkeypatch.setattr(kernels, "onednn_linear", lambda *a: rows.append(a[0].numel() // a[0].shape[-1]) or real(*a))
+    return rows
+
+
 def test_mode_routes_only_float32_cpu_inference(monkeypatch):
     calls = []
     real = kernels.onednn_linear
@@ -62,12 +71,13 @@ def test_tree_logits_on_onednn_equal_stock_sequential_logits(tiny_model):
         torch.testing.assert_close(out.features[i, 0], ref.hidden_states[-1][0, -1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("linear", ["onednn", "hybrid"])
 @pytest.mark.parametrize("p_right", [1.0, 0.0, 0.5])  # oracle, always wrong, random
-def test_speculative_greedy_on_onednn_equals_vanilla_greedy(tiny_model, p_right):
+def test_speculative_greedy_on_the_onednn_kernels_equals_vanilla_greedy(tiny_model, p_right, linear):
     prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(11))
     ref = hf_greedy(tiny_model, prompt, 40)
     drafter = OracleDrafter(ref, 7, [-1, 0, 1, 0, 3, 1], p_right=p_right, seed=2)
-    res = generate(Verifier(tiny_model, linear="onednn"), drafter, prompt, max_new_tokens=40)
+    res = generate(Verifier(tiny_model, linear=linear), drafter, prompt, max_new_tokens=40)
     assert res.token_ids == ref
     if p_right == 1.0:
         assert res.stats.mean_accepted > 2
@@ -110,19 +120,14 @@ def test_auto_measures_once_per_model_and_keeps_onednn_only_where_clearly_faster
     assert forwards == ([big] if one_token else [])  # the forward is timed only where oneDNN won the products
 
 
-def test_measure_one_token_times_a_forward_on_both_kernels(llama, monkeypatch):
-    routed = []
-    real = kernels.onednn_linear
-    monkeypatch.setattr(kernels, "onednn_linear", lambda *a: routed.append(1) or real(*a))
+def test_measure_one_token_times_a_forward_on_both_kernels(llama, onednn_rows):
     out = kernels.measure_one_token(llama, repeats=1)
     assert set(out) == {"stock", "onednn"} and min(out.values()) > 0
-    assert routed  # the oneDNN timing really ran there
+    assert onednn_rows  # the oneDNN timing really ran there
 
 
-def test_hybrid_verifier_runs_one_token_passes_with_no_mode_and_tree_passes_on_onednn(tiny_model, monkeypatch):
-    rows = []
-    real = kernels.onednn_linear
-    monkeypatch.setattr(kernels, "onednn_linear", lambda *a: rows.append(a[0].numel() // a[0].shape[-1]) or real(*a))
+def test_hybrid_verifier_runs_one_token_passes_with_no_mode_and_tree_passes_on_onednn(tiny_model, onednn_rows):
+    rows = onednn_rows
     v = Verifier(tiny_model, linear="hybrid")
     v.prefill(torch.tensor([3, 1, 4]))
     assert 3 in rows and 1 not in rows  # the prompt's products on oneDNN
@@ -140,10 +145,8 @@ def test_measure_linear_times_both_kernels():
     assert all(set(t) == {1, 2} and min(t.values()) > 0 for t in out.values())
 
 
-def test_hybrid_routes_only_products_of_two_or_more_rows(monkeypatch):
-    rows = []
-    real = kernels.onednn_linear
-    monkeypatch.setattr(kernels, "onednn_linear", lambda *a: rows.append(a[0].numel() // a[0].shape[-1]) or real(*a))
+def test_hybrid_routes_only_products_of_two_or_more_rows(onednn_rows):
+    rows = onednn_rows
     lin = torch.nn.Linear(8, 4)
     with torch.inference_mode():
         xs = [torch.randn(*shape) for shape in [(1, 8), (1, 1, 8), (8,), (2, 8), (1, 5, 8)]]
@@ -152,15 +155,6 @@ def test_hybrid_routes_only_products_of_two_or_more_rows(monkeypatch):
         for x, y in zip(xs, got):
             torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), atol=1e-6, rtol=1e-6)
     assert rows == [2, 5]  # one-row products (decoding, a paused draft) stay on the stock kernel
-
-
-@pytest.mark.parametrize("p_right", [1.0, 0.5])
-def test_speculative_greedy_on_hybrid_equals_vanilla_greedy(tiny_model, p_right):
-    prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(5))
-    ref = hf_greedy(tiny_model, prompt, 30)
-    drafter = OracleDrafter(ref, 7, [-1, 0, 1, 0, 3, 1], p_right=p_right, seed=3)
-    res = generate(Verifier(tiny_model, linear="hybrid"), drafter, prompt, max_new_tokens=30)
-    assert res.token_ids == ref
 
 
 def test_bench_kernel_list_is_checked():
