@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import DynamicCache
 
 from heads.dflash import DFlashHead
 from heads.masks import additive_mask
@@ -28,7 +27,7 @@ from heads.masks import additive_mask
 from .cost import cost_summary, has_timing
 from .drafters import Draft, Drafter, Gate, accepted_on_host, root_only
 from .tree import DynamicTreeSpec, build_tree
-from .verifier import crop_cache
+from .verifier import ReservedCache, crop_cache
 
 
 class BlockDrafter(Drafter):
@@ -60,12 +59,12 @@ class BlockDrafter(Drafter):
             self.mask_embeds = emb(mask).to(self.dtype)  # [bs - 1, h]
         # every chain the drafter can propose, copied to the device once here, not during a step
         self._chains = {d: build_tree(list(range(-1, d)), device=self.device) for d in range(1, self.block_size)}
-        self.cache = DynamicCache()
+        self.cache = ReservedCache()
         self.length = 0
         self._pending: list[torch.Tensor] = []
 
     def begin(self, prompt_ids, features) -> None:
-        self.cache = DynamicCache()
+        self.cache = ReservedCache()
         self.length = 0
         self._pending = [features]  # [T, F, h]: the prompt's features, fed at the first proposal
         self.gate = Gate.new()

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from heads import Eagle3Head, MedusaHeads, load_head
 from heads.masks import additive_mask
@@ -30,7 +29,7 @@ from .drafters import Draft, Drafter, Gate, accepted_on_host, root_only
 from .errors import UserError
 from .kernels import median_seconds
 from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
-from .verifier import crop_cache
+from .verifier import ReservedCache, crop_cache
 
 
 def _verifier_place(verifier_model) -> tuple[torch.device, torch.dtype]:
@@ -166,7 +165,7 @@ class EagleDrafter(Drafter):
         self._calibration: dict[tuple[bool, int], Calibration] = {}
         self.gate = Gate.new(self.device)
         self._last: tuple | None = None
-        self.cache = DynamicCache()
+        self.cache = ReservedCache()
         self.length = 0
 
     # ---- the committed context -----------------------------------------------------------------
@@ -183,7 +182,7 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def begin(self, prompt_ids, features) -> None:
-        self.cache = DynamicCache()
+        self.cache = ReservedCache()
         self.length = 0
         self._feats = [features]  # verifier features at positions length .. T - 1 (not yet fed)
         self._tokens = [prompt_ids[1:].to(self.device, non_blocking=True)]  # tokens length + 1 .. T - 1

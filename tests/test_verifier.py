@@ -12,7 +12,7 @@ from infer.errors import UserError
 from infer.models import tiny_random_model
 from infer.selfcheck import OracleDrafter
 from infer.tree import build_tree
-from infer.verifier import Verifier
+from infer.verifier import ReservedCache, ReservedLayer, Verifier
 
 
 @st.composite
@@ -71,6 +71,40 @@ def test_commit_moves_entries_in_place(llama):
     assert v.length == 8
     assert v.cache.layers[0].keys.shape[2] == 8
     assert v.cache.layers[0].keys.data_ptr() == before.data_ptr()  # a view of the same storage
+
+
+def test_reserved_layer_appends_in_place_and_keeps_dynamic_layer_semantics():
+    g = torch.Generator().manual_seed(0)
+    kv = lambda n: (torch.randn(1, 2, n, 4, generator=g), torch.randn(1, 2, n, 4, generator=g))  # noqa: E731
+    ours, ref = ReservedLayer(), DynamicCache().layer_class_to_replicate()
+    k, v = kv(5)
+    ours.update(k, v), ref.update(k, v)
+    storage = ours.keys.data_ptr()
+    for n in (1, 3, 1):  # appends land in the reserved buffer: no reallocation
+        k, v = kv(n)
+        ours.update(k, v), ref.update(k, v)
+    assert ours.keys.data_ptr() == storage and ours.get_seq_length() == 10
+    ours.crop(-4), ref.crop(-4)  # a crop is a shorter view; the next update writes over the cut
+    k, v = kv(2)
+    ours.update(k, v), ref.update(k, v)
+    assert ours.keys.data_ptr() == storage
+    ours.batch_select_indices(torch.tensor([0])), ref.batch_select_indices(torch.tensor([0]))  # keys replaced
+    k, v = kv(300)  # and beyond the reserve: copied into a fresh, larger buffer
+    ours.update(k, v), ref.update(k, v)
+    assert ours.keys.data_ptr() != storage
+    torch.testing.assert_close(ours.keys, ref.keys, rtol=0, atol=0)
+    torch.testing.assert_close(ours.values, ref.values, rtol=0, atol=0)
+
+
+def test_reserved_cache_gives_the_logits_of_a_dynamic_cache(tiny_model):
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    ours, ref = ReservedCache(), DynamicCache()
+    with torch.no_grad():
+        for lo, hi in ((0, 7), (7, 8), (8, 12)):
+            a = tiny_model(ids[:, lo:hi], past_key_values=ours, use_cache=True).logits
+            b = tiny_model(ids[:, lo:hi], past_key_values=ref, use_cache=True).logits
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(isinstance(layer, ReservedLayer) for layer in ours.layers)
 
 
 def test_sliding_window_and_context_are_refused_before_work():
