@@ -381,7 +381,8 @@ class Gate:
     included; 1.0 = as fast as not drafting). Below 1, drafting pauses for ``backoff`` steps and
     then probes once; every failed probe doubles the pause (up to ``max_backoff``: a head that
     never pays, e.g. when sampling from a broad distribution, costs one probe per 65 steps), a
-    probe that pays resumes drafting. Kept on the host from host-known counts: it reads nothing."""
+    probe that pays resumes drafting. A sampled generation starts from the last one's gate
+    (:func:`carried_gates`). Kept on the host from host-known counts: it reads nothing."""
 
     ema: float
     backoff: int = 1
@@ -412,10 +413,38 @@ class Gate:
             self.skip = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
 
+    def carried(self) -> Gate:
+        """The gate the next sampled generation starts from (:func:`carried_gates`): one still
+        drafting where this one ended drafting; else one paused for half of this one's next pause,
+        then probing (a head's value for one kind of generation seldom changes from one prompt to
+        the next: at temperature 1.0, where it rarely pays, a fresh gate drafted ~10 of 256 steps
+        to learn it again). Halving forgets: generations too short to probe shorten the pause."""
+        if self.ema > 1.0:
+            return Gate(self.ema)
+        pause = max(1, self.backoff // 2)
+        return Gate(self.ema, backoff=pause, skip=pause)
+
     def record_draft(self, accepted: int, nodes: int, seconds: float, cost) -> None:
         """One drafted step: ``accepted`` tokens of a ``nodes``-node draft that took ``seconds`` to
         draft, against ``cost`` (an online cost with ``seconds_per_token``)."""
         self.record((1.0 + accepted) / (cost(nodes) + seconds / cost.seconds_per_token))
+
+
+def carried_gates(gates: dict[bool, Gate]) -> dict[bool, Gate]:
+    """The gates (by ``sampled``) a drafter's next generation starts from: the sampled one carried
+    over (:meth:`Gate.carried`), as at a temperature where a head seldom pays it seldom pays on any
+    prompt; greedy ones fresh, as greedy acceptance depends on the prompt (code and copied text
+    against free writing) and a pause carried over would hold the head back where it pays."""
+    return {True: gates[True].carried()} if True in gates else {}
+
+
+def gate_for(gates: dict[bool, Gate], sampled: bool) -> Gate:
+    """The gate of this kind of generation in ``gates`` (kept per drafter, from one generation to
+    the next by :func:`carried_gates`), a fresh one the first time."""
+    gate = gates.get(sampled)
+    if gate is None:
+        gate = gates[sampled] = Gate.new()
+    return gate
 
 
 def accepted_on_host(tokens: tuple[int, ...], parents: tuple[int, ...], committed: list[int]) -> int:

@@ -25,7 +25,7 @@ from heads.masks import additive_mask
 from heads.modules import DraftHead
 
 from .cost import cost_summary, has_timing
-from .drafters import Draft, Drafter, Gate, accepted_on_host, root_only
+from .drafters import Draft, Drafter, Gate, accepted_on_host, carried_gates, gate_for, root_only
 from .errors import UserError
 from .kernels import median_seconds
 from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
@@ -163,7 +163,8 @@ class EagleDrafter(Drafter):
         vd = head.config.draft_vocab_size
         self.vocab_map = self.head.target_ids(torch.arange(vd, device=self.device)) if self.eagle3 else None
         self._calibration: dict[tuple[bool, int], Calibration] = {}
-        self.gate = Gate.new(self.device)
+        self._gates: dict[bool, Gate] = {}  # by kind of generation (sampled or not); see carried_gates
+        self.gate = Gate.new(self.device)  # the current generation's
         self._last: tuple | None = None
         self.cache = ReservedCache()
         self.length = 0
@@ -187,7 +188,8 @@ class EagleDrafter(Drafter):
         self._feats = [features]  # verifier features at positions length .. T - 1 (not yet fed)
         self._tokens = [prompt_ids[1:].to(self.device, non_blocking=True)]  # tokens length + 1 .. T - 1
         self._last = None
-        self.gate = Gate.new(self.device)
+        self._gates = carried_gates(self._gates)
+        self.gate = Gate.new(self.device)  # until the first proposal says which kind this generation is
         for cal in self._calibration.values():
             cal.forget()
 
@@ -237,6 +239,7 @@ class EagleDrafter(Drafter):
         spec = tree or self.tree
         if not isinstance(spec, DynamicTreeSpec):
             raise UserError("EAGLE heads grow a dynamic tree: pass a dynamic tree (e.g. eagle2-16 or dynamic:5,4,16)")
+        self.gate = gate_for(self._gates, generator is not None)
         if max_depth <= 0 or (self.adaptive and not self.gate.should_draft()):
             return root_only(root, self.device)
         t0 = time.perf_counter()

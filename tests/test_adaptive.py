@@ -70,6 +70,43 @@ def test_gate_pauses_then_probes_with_growing_pauses():
     assert gate.should_draft() and gate.backoff == 1
 
 
+def test_a_gate_carries_what_it_learnt_to_the_next_generation_and_forgets_by_halves():
+    gate = Gate.new("cpu")
+    for _ in range(200):  # a generation in which drafting never paid: pauses of 64 steps by its end
+        if gate.should_draft():
+            gate.record(0.5)
+    nxt = gate.carried()
+    drafted = [nxt.should_draft() for _ in range(33)]
+    assert drafted == [False] * 32 + [True] and nxt.paused == 0 + 32  # paused half, then probes
+    short = gate.carried()
+    for _ in range(6):  # generations too short to reach a probe: the pause halves each time
+        short = short.carried()
+    assert short.skip == 1 and short.should_draft() is False and short.should_draft() is True
+    paying = Gate.new("cpu")
+    paying.record(2.0)
+    assert paying.carried().should_draft() and paying.carried().skip == 0
+
+
+def test_only_sampled_generations_start_from_the_last_ones_gate():
+    model = tiny_random_model("llama", vocab_size=256, seed=1)
+    cfg = HeadConfig("eagle3", VerifierSpec.of(model), draft_vocab_size=200,
+                     aux_layers=default_aux_layers(2), layer_config=model.config.to_dict())
+    torch.manual_seed(0)
+    drafter = EagleDrafter(build_head(cfg), model, DynamicTreeSpec(2, 2, 4), cost=OnlineCost(PRIOR))
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    generate(model, drafter, ids, max_new_tokens=40, temperature=1.0, seed=0)
+    sampled = drafter.gate
+    assert sampled.skip > 0  # a random head at temperature 1: paused when the generation ended
+    generate(model, drafter, ids, max_new_tokens=3)  # a greedy generation (proposals): its own, fresh gate
+    assert drafter.gate is not sampled and drafter.gate.paused == 0 and drafter.gate.skip == 0
+    generate(model, drafter, ids, max_new_tokens=40)
+    assert drafter.gate.skip > 0  # greedy, paused at its end: the next greedy generation starts afresh
+    generate(model, drafter, ids, max_new_tokens=3)
+    assert drafter.gate.paused == 0 and drafter.gate.skip == 0
+    generate(model, drafter, ids, max_new_tokens=3, temperature=1.0, seed=1)  # sampled again: starts paused
+    assert drafter.gate.paused >= 1 and drafter.gate is not sampled
+
+
 def test_a_head_that_is_never_accepted_stops_running():
     model = tiny_random_model("llama", vocab_size=256, seed=1)
     cfg = HeadConfig("eagle3", VerifierSpec.of(model), draft_vocab_size=200,
