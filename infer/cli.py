@@ -39,7 +39,7 @@ def _add_placement(p: argparse.ArgumentParser, kernels: bool = False) -> None:
                    help="the verifier's dtype: auto = float32 on CPU, the checkpoint's dtype (bf16 if none) on a GPU; heads follow it")
     p.add_argument("--linear", default="auto", help="kernel of the verifier's float32 CPU linear layers: auto (oneDNN where "
                    "a short measurement finds it faster than stock, hybrid where only a one-token forward is slower on it; never on a GPU), "
-                   "stock, onednn or hybrid (oneDNN for every pass but the one-token ones)" +
+                   "stock, onednn or hybrid (oneDNN for tree passes; one-token passes and long prompts on stock)" +
                    ("; bench takes a comma-separated list and runs every speculative method on each (labels get [kernel] after the first)" if kernels else ""))
 
 

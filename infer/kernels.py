@@ -14,8 +14,8 @@ output projection, once per model, and keeps oneDNN only where it is clearly fas
 wins the output projection's products but a one-token forward is slower on it (a 2-core AVX2 EPYC:
 the inner layers' one-row products and the mode's per-operation cost; HF ``generate`` on oneDNN
 ran at 0.87x the stock kernel's speed there), ``hybrid`` runs the one-token passes (plain
-decoding, a step whose draft is paused) on the stock kernel with no mode and the tree passes on
-oneDNN; GPUs,
+decoding, a step whose draft is paused) and long prompts on the stock kernel with no mode and the
+tree passes on oneDNN; GPUs,
 half-precision models (PyTorch already uses oneDNN for bf16 on CPU) and tiny models keep the stock
 kernel. The kernels round differently in the last bits, like any two batch sizes of one kernel;
 greedy outputs are checked for identity by the tests and by every benchmark.
@@ -38,6 +38,11 @@ KERNELS = ("auto", "stock", "onednn", "hybrid")
 
 #: below this many output-projection weights a model is a test-sized toy: timing is noise there
 MIN_PROBE_WEIGHTS = 1 << 20
+
+#: ``hybrid`` runs passes of 2 to this many tokens on oneDNN (every shipped tree preset's node count
+#: fits); longer ones, a prompt, stay on the stock kernel: a 700-token prefill of the default
+#: verifier took 1.50 s on stock against 1.80 s on oneDNN on the AVX2 EPYC that chose hybrid
+HYBRID_MAX_ROWS = 64
 
 _chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> "stock" | "onednn" (auto's measurement)
 
@@ -184,12 +189,13 @@ def linear_kernel(model, choice: str = "auto") -> str:
 def kernel_context(kernel: str, rows: int | None = None) -> contextlib.AbstractContextManager:
     """A context in which forward passes run on ``kernel`` (``stock``: nothing changes). ``rows``:
     the tokens of the pass, where the caller knows them; ``hybrid`` runs a one-token pass with no
-    mode at all (the mode's per-operation cost is what makes oneDNN slower there) and, with
-    ``rows`` unknown (HF ``generate``), routes only the products of 2 or more rows."""
+    mode at all (the mode's per-operation cost is what makes oneDNN slower there), and a pass of
+    more than :data:`HYBRID_MAX_ROWS` tokens (a prompt) on the stock kernel too; with ``rows``
+    unknown (HF ``generate``), it routes only the products of 2 or more rows."""
     if kernel == "onednn":
         return OneDNNLinear()
     if kernel == "hybrid":
-        if rows == 1:
+        if rows is not None and (rows == 1 or rows > HYBRID_MAX_ROWS):
             return contextlib.nullcontext()
         return OneDNNLinear(min_rows=2)
     return contextlib.nullcontext()

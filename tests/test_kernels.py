@@ -126,7 +126,7 @@ def test_measure_one_token_times_a_forward_on_both_kernels(llama, onednn_rows):
     assert onednn_rows  # the oneDNN timing really ran there
 
 
-def test_hybrid_verifier_runs_one_token_passes_with_no_mode_and_tree_passes_on_onednn(tiny_model, onednn_rows):
+def test_hybrid_verifier_runs_one_token_passes_and_long_prompts_with_no_mode_and_tree_passes_on_onednn(tiny_model, onednn_rows):
     rows = onednn_rows
     v = Verifier(tiny_model, linear="hybrid")
     v.prefill(torch.tensor([3, 1, 4]))
@@ -137,6 +137,9 @@ def test_hybrid_verifier_runs_one_token_passes_with_no_mode_and_tree_passes_on_o
     v.commit(torch.tensor([0]), [0])
     v.verify(torch.tensor([5, 9, 2]), build_tree([-1, 0, 0]))
     assert 3 in rows and 1 not in rows
+    rows.clear()
+    v.prefill(torch.arange(kernels.HYBRID_MAX_ROWS + 1))  # a long prompt: the stock kernel, faster there
+    assert rows == []
 
 
 def test_measure_linear_times_both_kernels():
