@@ -77,7 +77,7 @@ def test_a_gate_carries_what_it_learnt_to_the_next_generation_and_forgets_by_hal
             gate.record(0.5)
     nxt = gate.carried()
     drafted = [nxt.should_draft() for _ in range(33)]
-    assert drafted == [False] * 32 + [True] and nxt.paused == 0 + 32  # paused half, then probes
+    assert drafted == [False] * 32 + [True] and nxt.paused == 32  # paused half its pause, then probes
     short = gate.carried()
     for _ in range(6):  # generations too short to reach a probe: the pause halves each time
         short = short.carried()
