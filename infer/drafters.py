@@ -432,7 +432,8 @@ class Gate:
 
 def carried_gates(gates: dict[bool, Gate]) -> dict[bool, Gate]:
     """The gates (by ``sampled``) a drafter's next generation starts from: the sampled one carried
-    over (:meth:`Gate.carried`), as at a temperature where a head seldom pays it seldom pays on any
+    over (:meth:`Gate.carried`; at every generation, greedy ones too, so a pause not probed halves
+    with each), as at a temperature where a head seldom pays it seldom pays on any
     prompt; greedy ones fresh, as greedy acceptance depends on the prompt (code and copied text
     against free writing) and a pause carried over would hold the head back where it pays."""
     return {True: gates[True].carried()} if True in gates else {}
