@@ -25,7 +25,7 @@ from heads.dflash import DFlashHead
 from heads.masks import additive_mask
 
 from .cost import cost_summary, has_timing
-from .drafters import Draft, Drafter, Gate, accepted_on_host, carried_gates, gate_for, root_only
+from .drafters import Draft, Drafter, Gates, accepted_on_host, root_only
 from .tree import DynamicTreeSpec, build_tree
 from .verifier import ReservedCache, crop_cache
 
@@ -46,8 +46,7 @@ class BlockDrafter(Drafter):
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
         self.cost = cost
         self.adaptive = adaptive
-        self._gates: dict[bool, Gate] = {}  # by kind of generation (sampled or not); see carried_gates
-        self.gate = Gate.new()  # the current generation's
+        self.gates = Gates()  # by kind of generation (sampled or not)
         self._last: tuple[tuple, float] | None = None  # the last chain's host form and its drafting time
         self.block_size = head.config.block_size
         self.feature_layers = head.config.feature_layers
@@ -68,23 +67,23 @@ class BlockDrafter(Drafter):
         self.cache = ReservedCache()
         self.length = 0
         self._pending = [features]  # [T, F, h]: the prompt's features, fed at the first proposal
-        self._gates = carried_gates(self._gates)
-        self.gate = Gate.new()  # until the first proposal says which kind this generation is
+        self.gates.begin()
         self._last = None
 
     def update(self, tokens, features) -> None:
         if self._last is not None:  # the gate learns from the host copy of what was committed: no read
             (tokens_h, parents_h), seconds = self._last
             self._last = None
-            self.gate.record_draft(accepted_on_host(tokens_h, parents_h, tokens.tolist()), len(tokens_h), seconds, self.cost)
+            self.gates.current.record_draft(accepted_on_host(tokens_h, parents_h, tokens.tolist()), len(tokens_h), seconds, self.cost)
         self._pending.append(features)
 
     def _gated(self) -> bool:
         return self.adaptive and has_timing(self.cost)
 
     def state(self) -> dict:
-        return {"block_size": self.block_size, "paused_steps": self.gate.paused,
-                "gate_gain": round(float(self.gate.ema), 3), "cost": cost_summary(self.cost)}
+        gate = self.gates.current
+        return {"block_size": self.block_size, "paused_steps": gate.paused,
+                "gate_gain": round(float(gate.ema), 3), "cost": cost_summary(self.cost)}
 
     def _catch_up(self) -> None:
         """Append the fused features of every committed position not yet in the context cache."""
@@ -131,8 +130,8 @@ class BlockDrafter(Drafter):
         spec = tree or self.tree
         depth = min(self.block_size - 1, getattr(spec, "depth", self.block_size - 1), max_depth)
         gated = self._gated()
-        self.gate = gate_for(self._gates, generator is not None)
-        if depth <= 0 or (gated and not self.gate.should_draft()):
+        gate = self.gates.select(sampled=generator is not None)
+        if depth <= 0 or (gated and not gate.should_draft()):
             return root_only(root, self.device)  # no head pass: the context catches up at the next one
         t0 = time.perf_counter()
         logits = self.block_logits(root)[:depth]  # [depth, Vd]

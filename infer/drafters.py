@@ -382,7 +382,7 @@ class Gate:
     then probes once; every failed probe doubles the pause (up to ``max_backoff``: a head that
     never pays, e.g. when sampling from a broad distribution, costs one probe per 65 steps), a
     probe that pays resumes drafting. A sampled generation starts from the last one's gate
-    (:func:`carried_gates`). Kept on the host from host-known counts: it reads nothing."""
+    (:class:`Gates`). Kept on the host from host-known counts: it reads nothing."""
 
     ema: float
     backoff: int = 1
@@ -414,7 +414,7 @@ class Gate:
             self.backoff = min(2 * self.backoff, self.max_backoff)
 
     def carried(self) -> Gate:
-        """The gate the next sampled generation starts from (:func:`carried_gates`): one still
+        """The gate the next sampled generation starts from (:class:`Gates`): one still
         drafting where this one ended drafting; else one paused for half of this one's next pause,
         then probing (a head's value for one kind of generation seldom changes from one prompt to
         the next: at temperature 1.0, where it rarely pays, a fresh gate drafted ~10 of 256 steps
@@ -430,22 +430,30 @@ class Gate:
         self.record((1.0 + accepted) / (cost(nodes) + seconds / cost.seconds_per_token))
 
 
-def carried_gates(gates: dict[bool, Gate]) -> dict[bool, Gate]:
-    """The gates (by ``sampled``) a drafter's next generation starts from: the sampled one carried
-    over (:meth:`Gate.carried`; at every generation, greedy ones too, so a pause not probed halves
-    with each), as at a temperature where a head seldom pays it seldom pays on any
-    prompt; greedy ones fresh, as greedy acceptance depends on the prompt (code and copied text
-    against free writing) and a pause carried over would hold the head back where it pays."""
-    return {True: gates[True].carried()} if True in gates else {}
+class Gates:
+    """A drafter's gates, one per kind of generation (``sampled`` or not), and ``current``, the one
+    of the generation under way. At every :meth:`begin` the sampled gate is carried over
+    (:meth:`Gate.carried`; at every generation, greedy ones too, so a pause not probed halves with
+    each), as at a temperature where a head seldom pays it seldom pays on any prompt; greedy ones
+    start fresh, as greedy acceptance depends on the prompt (code and copied text against free
+    writing) and a pause carried over would hold the head back where it pays."""
 
+    def __init__(self) -> None:
+        self._by_kind: dict[bool, Gate] = {}
+        self.current = Gate.new()
 
-def gate_for(gates: dict[bool, Gate], sampled: bool) -> Gate:
-    """The gate of this kind of generation in ``gates`` (kept per drafter, from one generation to
-    the next by :func:`carried_gates`), a fresh one the first time."""
-    gate = gates.get(sampled)
-    if gate is None:
-        gate = gates[sampled] = Gate.new()
-    return gate
+    def begin(self) -> None:
+        """A new generation: its kind is not known until :meth:`select`."""
+        self._by_kind = {True: self._by_kind[True].carried()} if True in self._by_kind else {}
+        self.current = Gate.new()
+
+    def select(self, sampled: bool) -> Gate:
+        """Make the gate of this kind of generation ``current`` (a fresh one the first time)."""
+        gate = self._by_kind.get(sampled)
+        if gate is None:
+            gate = self._by_kind[sampled] = Gate.new()
+        self.current = gate
+        return gate
 
 
 def accepted_on_host(tokens: tuple[int, ...], parents: tuple[int, ...], committed: list[int]) -> int:

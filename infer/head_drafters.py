@@ -25,7 +25,7 @@ from heads.masks import additive_mask
 from heads.modules import DraftHead
 
 from .cost import cost_summary, has_timing
-from .drafters import Draft, Drafter, Gate, accepted_on_host, carried_gates, gate_for, root_only
+from .drafters import Draft, Drafter, Gates, accepted_on_host, root_only
 from .errors import UserError
 from .kernels import median_seconds
 from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
@@ -163,8 +163,7 @@ class EagleDrafter(Drafter):
         vd = head.config.draft_vocab_size
         self.vocab_map = self.head.target_ids(torch.arange(vd, device=self.device)) if self.eagle3 else None
         self._calibration: dict[tuple[bool, int], Calibration] = {}
-        self._gates: dict[bool, Gate] = {}  # by kind of generation (sampled or not); see carried_gates
-        self.gate = Gate.new(self.device)  # the current generation's
+        self.gates = Gates()  # by kind of generation (sampled or not)
         self._last: tuple | None = None
         self.cache = ReservedCache()
         self.length = 0
@@ -188,8 +187,7 @@ class EagleDrafter(Drafter):
         self._feats = [features]  # verifier features at positions length .. T - 1 (not yet fed)
         self._tokens = [prompt_ids[1:].to(self.device, non_blocking=True)]  # tokens length + 1 .. T - 1
         self._last = None
-        self._gates = carried_gates(self._gates)
-        self.gate = Gate.new(self.device)  # until the first proposal says which kind this generation is
+        self.gates.begin()
         for cal in self._calibration.values():
             cal.forget()
 
@@ -203,12 +201,13 @@ class EagleDrafter(Drafter):
             self._calibration[key].record(draft, tokens)
             if self.adaptive and has_timing(self.cost):
                 accepted = accepted_on_host(draft.host_tokens, draft.host_parents, committed.tolist())
-                self.gate.record_draft(accepted, draft.tokens.numel(), seconds, self.cost)
+                self.gates.current.record_draft(accepted, draft.tokens.numel(), seconds, self.cost)
         self._feats.append(features)
         self._tokens.append(tokens)
 
     def state(self) -> dict:
-        return {"paused_steps": self.gate.paused, "gate_gain": round(float(self.gate.ema), 3),
+        gate = self.gates.current
+        return {"paused_steps": gate.paused, "gate_gain": round(float(gate.ema), 3),
                 "calibration": {f"{'sampled' if s else 'greedy'}, depth {d}": [round(x, 3) for x in c.log_scale().tolist()]
                                 for (s, d), c in self._calibration.items()},
                 "cost": cost_summary(self.cost)}
@@ -239,8 +238,8 @@ class EagleDrafter(Drafter):
         spec = tree or self.tree
         if not isinstance(spec, DynamicTreeSpec):
             raise UserError("EAGLE heads grow a dynamic tree: pass a dynamic tree (e.g. eagle2-16 or dynamic:5,4,16)")
-        self.gate = gate_for(self._gates, generator is not None)
-        if max_depth <= 0 or (self.adaptive and not self.gate.should_draft()):
+        gate = self.gates.select(sampled=generator is not None)
+        if max_depth <= 0 or (self.adaptive and not gate.should_draft()):
             return root_only(root, self.device)
         t0 = time.perf_counter()
         root_t = torch.full((), root, dtype=torch.long, device=self.device)

@@ -7,7 +7,8 @@ from conftest import hf_greedy
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from infer import generate
 from infer.cost import OnlineCost, VerifyCost
-from infer.head_drafters import Calibration, EagleDrafter, Gate
+from infer.drafters import Gate, Gates
+from infer.head_drafters import Calibration, EagleDrafter
 from infer.models import tiny_random_model
 from infer.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
 
@@ -87,6 +88,18 @@ def test_a_gate_carries_what_it_learnt_to_the_next_generation_and_forgets_by_hal
     assert paying.carried().should_draft() and paying.carried().skip == 0
 
 
+def test_gates_carry_the_sampled_gate_and_start_greedy_ones_fresh():
+    gates = Gates()
+    sampled = gates.select(sampled=True)
+    assert gates.current is sampled and gates.select(sampled=True) is sampled  # one per generation
+    sampled.ema, sampled.backoff = 0.5, 8
+    greedy = gates.select(sampled=False)
+    greedy.ema, greedy.backoff = 0.5, 8
+    gates.begin()
+    assert gates.select(sampled=False) is not greedy and gates.current.skip == 0  # greedy: fresh
+    assert gates.select(sampled=True).skip == 4  # sampled: carried, its next pause halved
+
+
 def test_only_sampled_generations_start_from_the_last_ones_gate():
     model = tiny_random_model("llama", vocab_size=256, seed=1)
     cfg = HeadConfig("eagle3", VerifierSpec.of(model), draft_vocab_size=200,
@@ -99,17 +112,17 @@ def test_only_sampled_generations_start_from_the_last_ones_gate():
         gate.ema, gate.backoff, gate.skip = 0.5, 16, 8
 
     generate(model, drafter, ids, max_new_tokens=20, temperature=1.0, seed=0)
-    sampled = drafter.gate
+    sampled = drafter.gates.current
     ended_paused(sampled)
     generate(model, drafter, ids, max_new_tokens=3)  # greedy: its own gate, fresh: its first proposal drafts
-    greedy = drafter.gate
+    greedy = drafter.gates.current
     assert greedy is not sampled and greedy.paused == 0
     ended_paused(greedy)
     generate(model, drafter, ids, max_new_tokens=3)  # greedy again: fresh again, whatever the last one learnt
-    assert drafter.gate is not greedy and drafter.gate.paused == 0
+    assert drafter.gates.current is not greedy and drafter.gates.current.paused == 0
     generate(model, drafter, ids, max_new_tokens=3, temperature=1.0, seed=1)  # sampled: starts paused
     # its pause of 16 halved at every generation since (two greedy ones, then this one): 2, one step gone
-    assert drafter.gate.paused == 1 and drafter.gate.skip == 1 and drafter.gate.backoff == 2
+    assert drafter.gates.current.paused == 1 and drafter.gates.current.skip == 1 and drafter.gates.current.backoff == 2
 
 
 def test_a_head_that_is_never_accepted_stops_running():

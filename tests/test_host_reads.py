@@ -219,7 +219,7 @@ def test_the_gate_pausing_and_resuming_adds_no_sync(model, head, kwargs):
                 rows.append(Step(now[0] - last[0], (now[1] - last[1]) + (now[2] - last[2]) + 2, {}))
             last = now
             if step == 12:
-                paused = head_drafter.gate.paused
+                paused = head_drafter.gates.current.paused
                 cost.seconds_per_token, cost.value, passes_after_flip = 1e9, 0.5, watch.passes
     assert paused > 0, "the gate never paused"
     assert watch.passes > passes_after_flip, "drafting never resumed"

@@ -272,8 +272,8 @@ def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypat
     the shipped start pauses only on rare samples, and the paused path must be sampled too."""
     from heads import HeadConfig, VerifierSpec, build_head
     from infer.cost import OnlineCost, VerifyCost
-    from infer.drafters import PromptLookupDrafter, UnionDrafter
-    from infer.head_drafters import EagleDrafter, Gate
+    from infer.drafters import Gate, PromptLookupDrafter, UnionDrafter
+    from infer.head_drafters import EagleDrafter
 
     monkeypatch.setattr(Gate, "new", classmethod(lambda cls, device=None, start=1.0: cls(float(start))))
 
@@ -295,7 +295,7 @@ def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypat
 
     def draw(seed):
         res = generate(m, drafter, PROMPT, max_new_tokens=5, temperature=1.0, seed=seed)
-        return res.token_ids, bool(eagle.gate.paused), len(res.stats.nodes_hist) - 1, cost.seconds_per_token is not None
+        return res.token_ids, bool(eagle.gates.current.paused), len(res.stats.nodes_hist) - 1, cost.seconds_per_token is not None
 
     samples = forked_map(draw, range(N_DEEP))  # each process's drafter and cost curve learn on their own
     paused = sum(s[1] for s in samples)

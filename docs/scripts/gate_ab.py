@@ -12,7 +12,8 @@ import random
 import sys
 
 from infer.bench import run_bench
-from infer.head_drafters import EagleDrafter, Gate
+from infer.drafters import Gate, Gates
+from infer.head_drafters import EagleDrafter
 from infer.loading import load_drafter
 from infer.models import load_verifier
 from infer.prompts import read_prompts
@@ -40,17 +41,25 @@ class NeverPause(Gate):
         self.ema = (1 - self.alpha) * self.ema + self.alpha * gain
 
 
+class FreshGates(Gates):
+    """A ``gate_cls`` gate, fresh at every generation, whatever its kind."""
+
+    def __init__(self, gate_cls):
+        self.gate_cls = gate_cls
+        super().__init__()
+
+    def begin(self):
+        self.current = self.gate_cls(1.2)
+
+    def select(self, sampled):
+        return self.current
+
+
 def with_gate(drafter, gate_cls):
     """``drafter`` (or its EAGLE member) with ``gate_cls`` in place of the shipped gate."""
     for d in getattr(drafter, "drafters", [drafter]):
         if isinstance(d, EagleDrafter) and gate_cls is not Gate:
-            begin = d.begin
-
-            def patched(*args, d=d, begin=begin, **kwargs):
-                begin(*args, **kwargs)
-                d.gate = gate_cls(1.2)
-
-            d.begin = patched
+            d.gates = FreshGates(gate_cls)
     return drafter
 
 
