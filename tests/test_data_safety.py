@@ -252,8 +252,8 @@ def _records(path: Path) -> int:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killing_distill_ends_its_child(tmp_path, sig):
     out = tmp_path / "d.jsonl"
-    parent = _launch(tmp_path, "distill", *LLAMA, "--prompts", "synthetic:100000", "--out", str(out),
-                     "--max-new-tokens", "64", "--batch-size", "2")
+    parent = _launch(tmp_path, "distill", *LLAMA, "--prompts", "synthetic:5000", "--out", str(out),
+                     "--max-new-tokens", "16", "--batch-size", "2")
     try:
         assert _wait(lambda: _records(out) >= 2), parent.stderr.read() if parent.poll() is not None else "no records"
         kids = _descendants(parent.pid)
@@ -304,8 +304,8 @@ def test_ctrl_c_during_distill_is_one_line_and_exit_130(tmp_path, sig):
     process of the command: the child then gets it twice, directly and forwarded), stops the
     distillation with one line and every record whole."""
     out = tmp_path / "d.jsonl"
-    parent = _launch(tmp_path, "distill", *LLAMA, "--prompts", "synthetic:100000", "--out", str(out),
-                     "--max-new-tokens", "64", "--batch-size", "2")
+    parent = _launch(tmp_path, "distill", *LLAMA, "--prompts", "synthetic:5000", "--out", str(out),
+                     "--max-new-tokens", "16", "--batch-size", "2")
     try:
         assert _wait(lambda: _records(out) >= 2)
         os.killpg(parent.pid, sig)
