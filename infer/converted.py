@@ -83,6 +83,8 @@ def save_converted(gguf: Path, model, tokenizer) -> Path | None:
         tokenizer.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "files": files}, indent=1) + "\n")
+        if where.exists() and find_converted(gguf) is None:  # damaged (a file removed): replaced whole
+            shutil.rmtree(where, ignore_errors=True)
         try:
             os.rename(tmp, where)
         except OSError:

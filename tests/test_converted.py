@@ -83,6 +83,8 @@ def test_a_damaged_conversion_is_made_again(fake_gguf, caplog):
     assert find_converted(gguf) is not None and load_verifier("default") and len(loads) == 2  # rewritten whole
     weights.unlink()  # a missing file: not a whole conversion, converted again without a warning
     load_verifier("default")
+    assert len(loads) == 3 and find_converted(gguf) is not None  # replaced whole
+    load_verifier("default")
     assert len(loads) == 3
 
 

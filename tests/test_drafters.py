@@ -42,6 +42,18 @@ def test_lookup_prefers_full_length_continuations():
     assert draft.tree.parents.tolist() == [-1, 0, 1, 2, 3, 2, 5]
 
 
+def test_lookup_tries_a_long_match_on_a_steep_cost_curve():
+    """Before any draft was judged, a 3-gram match is drafted even where a 2-node pass costs 2x a
+    one-token pass: with an even prior no chain paid on such a curve, so prompt lookup never
+    drafted and never learnt that the answer copies its context."""
+    steep = VerifyCost((1, 2, 4, 8, 16), (1.0, 2.0, 2.1, 2.3, 2.6))
+    d = PromptLookupDrafter(cost=steep)
+    d.begin(torch.tensor([*range(10, 40), 10, 11, 12]), None)  # ends with 10 11 12, seen at the start
+    assert d.propose(13, max_depth=8).tokens.tolist()[:4] == [13, 14, 15, 16]
+    d.begin(torch.tensor([*range(10, 40), 21]), None)  # a 1-gram match only: not worth a pass there
+    assert d.propose(30, max_depth=8).tree.num_nodes == 1
+
+
 def test_adaptive_lookup_stops_drafting_what_is_never_accepted():
     d = PromptLookupDrafter()
     d.begin(torch.tensor([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]), None)
