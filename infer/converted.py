@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -64,16 +63,17 @@ def find_converted(gguf: Path) -> Path | None:
 
 def save_converted(gguf: Path, model, tokenizer) -> Path | None:
     """Write ``model`` (float32, as loaded from ``gguf``) and ``tokenizer`` as ``gguf``'s
-    conversion; the folder, or None when it cannot be written (a warning says why)."""
+    conversion (through :func:`heads.io.write_directory`: a temporary folder renamed into place,
+    replacing a damaged one whole); the folder, or None when it cannot be written (a warning says why)."""
     from safetensors.torch import save_model
+
+    from heads.io import CheckpointError, write_directory
 
     where = converted_dir(gguf)
     if where is None:
         return None
-    tmp = None
-    try:
-        where.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=where.parent, prefix=f".{where.name}-"))
+
+    def fill(tmp: Path) -> None:
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         model.config.save_pretrained(tmp)
         config = json.loads((tmp / "config.json").read_text())
@@ -83,24 +83,16 @@ def save_converted(gguf: Path, model, tokenizer) -> Path | None:
         tokenizer.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "files": files}, indent=1) + "\n")
-        if where.exists() and find_converted(gguf) is None:  # damaged (a file removed): replaced whole
-            shutil.rmtree(where, ignore_errors=True)
-        try:
-            os.rename(tmp, where)
-        except OSError:
-            if find_converted(gguf) is None:  # not another process's conversion that got there first
-                raise
-        else:
-            tmp = None
-        log.info("converted %s once into %s: later loads read it", gguf.name, where)
-        return where
-    except OSError as e:
+
+    try:
+        write_directory(where, fill, overwrite=True)
+    except (OSError, CheckpointError) as e:
         log.warning("cannot keep the converted default verifier in %s (%s): the next load converts again "
-                    "(set SPECHEADS_CACHE to a writable folder, or to '' to stop trying)", where.parent, e.strerror or e)
+                    "(set SPECHEADS_CACHE to a writable folder, or to '' to stop trying)", where.parent,
+                    getattr(e, "strerror", None) or e)
         return None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converted %s once into %s: later loads read it", gguf.name, where)
+    return where
 
 
 def forget_converted(where: Path, error: Exception) -> None:

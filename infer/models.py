@@ -302,30 +302,39 @@ def _load_default(check, dtype: torch.dtype):
     """The default verifier: from its conversion (:mod:`infer.converted`) when one exists, else
     from the GGUF file (then converted for the next load). ``check(config, tokenizer)`` runs
     before the weights load."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from .converted import find_converted, forget_converted, save_converted
+    from .converted import find_converted, save_converted
 
     path = default_verifier_file()
     cached = find_converted(path)
-    if cached is not None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cached)
-            config = AutoConfig.from_pretrained(cached)
-        except Exception as e:  # a damaged conversion: whatever its loaders raise, the GGUF file is still there
-            forget_converted(cached, e)
-        else:
-            check(config, tokenizer)  # outside the try: a refused input is the user's error, not the cache's
-            try:
-                model = AutoModelForCausalLM.from_pretrained(cached, config=config, dtype=dtype)
-            except Exception as e:
-                forget_converted(cached, e)
-            else:
-                model.config._name_or_path = str(path.parent)  # as the GGUF load names it (heads record it)
-                return model, tokenizer
+    loaded = _from_converted(cached, check, dtype) if cached is not None else None
+    if loaded is not None:
+        loaded[0].config._name_or_path = str(path.parent)  # as the GGUF load names it (heads record it)
+        return loaded
     model, tokenizer = _from_gguf(path, check)
     save_converted(path, model, tokenizer)
     return model.to(dtype), tokenizer
+
+
+def _from_converted(where: Path, check, dtype: torch.dtype):
+    """The model and tokenizer of the conversion in ``where``, or None (and the conversion removed)
+    when it cannot be read; ``check`` before the weights, and outside the ``try``: a refused input
+    is the user's error, not the cache's."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .converted import forget_converted
+
+    try:  # a damaged conversion: whatever its loaders raise, the GGUF file is still there
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        config = AutoConfig.from_pretrained(where)
+    except Exception as e:
+        forget_converted(where, e)
+        return None
+    check(config, tokenizer)
+    try:
+        return AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype), tokenizer
+    except Exception as e:
+        forget_converted(where, e)
+        return None
 
 
 def _from_gguf(path: Path, check):
