@@ -163,9 +163,13 @@ class PromptLookupDrafter(Drafter):
         tokens instead of 38."""
         return n / (n + 1), 1 / (n + 1)
 
+    def _counts(self, n: int) -> tuple[float, float]:
+        """(accepted, rejected) for ``n``-gram matches in this generation, the prior until judged."""
+        return self._stats.get(n, self.prior(n))
+
     def acceptance(self, n: int) -> float:
         """Estimated per-token acceptance of drafts from ``n``-gram matches in this generation."""
-        succ, fail = self._stats.get(n, self.prior(n))
+        succ, fail = self._counts(n)
         return succ / (succ + fail)
 
     def state(self) -> dict:
@@ -189,7 +193,7 @@ class PromptLookupDrafter(Drafter):
                 if node is None:
                     break
                 accepted += 1
-            succ, fail = self._stats.get(n, self.prior(n))
+            succ, fail = self._counts(n)
             self._stats[n] = (succ + accepted, fail + (accepted < depth))
             self._last = None
         self._append(host)
@@ -248,7 +252,7 @@ class PromptLookupDrafter(Drafter):
         if self.adaptive:
             depth = best_chain_depth(self.acceptance(n), depth, self.cost)
             if depth == 0:  # not worth drafting; drift back toward the prior so we try again later
-                succ, fail = self._stats.get(n, self.prior(n))
+                succ, fail = self._counts(n)
                 self._stats[n] = (0.95 * succ + 0.05, 0.95 * fail + 0.05)
                 return nothing
         tokens, parents, depths = [int(root)], [-1], [0]
