@@ -10,8 +10,11 @@ matrix-vector products), so a 2- or 3-node tree cost more to verify than an 8-no
 :class:`OneDNNLinear` routes ``torch.nn.functional.linear`` through oneDNN for float32 CPU
 tensors while it is active (a ``TorchFunctionMode``: the model and its modeling code stay as they
 are). :func:`linear_kernel` decides per model: ``auto`` measures both kernels on the model's own
-output projection, once per model, and keeps oneDNN only where it is clearly faster; where oneDNN
-wins the output projection's products but a one-token forward is slower on it (a 2-core AVX2 EPYC:
+output projection, then whole forwards of 1, 2 and 8 tokens, once per model, and keeps oneDNN only
+where it is faster on both. Where oneDNN wins the output projection's products but the tree-sized
+forwards are slower on it (a 2-core Xeon with AVX-512 and AMX, whose MKL has no small-row slump:
+2 / 8-node passes of the default verifier took 61 / 68 ms on oneDNN against 34 / 58 ms on stock)
+it keeps stock; where it wins those but a one-token forward is slower on it (a 2-core AVX2 EPYC:
 the inner layers' one-row products and the mode's per-operation cost; HF ``generate`` on oneDNN
 ran at 0.87x the stock kernel's speed there), ``hybrid`` runs the one-token passes (plain
 decoding, a step whose draft is paused) and long prompts on the stock kernel with no mode and the
@@ -113,33 +116,45 @@ def measure_linear(weight: torch.Tensor, rows=(1, 4, 8), repeats: int = 3) -> di
     return out
 
 
-def measure_one_token(model, repeats: int = 7) -> dict:
-    """Median seconds of a one-token forward of ``model`` (no cache) per kernel: ``{"stock": s,
-    "onednn": s}``, the two timed in turn so that a slow moment of a shared machine hits both.
-    Unlike :func:`measure_linear` this counts every layer's products and the mode's own
-    per-operation cost, what a one-token step (plain decoding, a paused draft) pays."""
-    ids = torch.zeros(1, 1, dtype=torch.long, device=model.get_input_embeddings().weight.device)
+def measure_forwards(model, rows=(1, 2, 8), repeats: int = 5) -> dict:
+    """Median seconds of a forward of ``model`` over ``m`` tokens (no cache) per kernel and ``m``
+    in ``rows``: ``{"stock": {m: s, ...}, "onednn": {m: s, ...}}``, the kernels timed in turn so
+    that a slow moment of a shared machine hits both. Unlike :func:`measure_linear` this counts
+    every layer's products and the mode's own per-operation cost: what a one-token step (plain
+    decoding, a paused draft) and a tree pass of a few nodes really pay."""
+    device = model.get_input_embeddings().weight.device
+    ids = {m: torch.zeros(1, m, dtype=torch.long, device=device) for m in rows}
     contexts = {"stock": contextlib.nullcontext, "onednn": OneDNNLinear}
-    times = {k: [] for k in contexts}
+    times = {k: {m: [] for m in rows} for k in contexts}
     with torch.inference_mode():
         for r in range(repeats + 1):  # the first round warms both up
-            for kernel, context in contexts.items():
-                t0 = time.perf_counter()
-                with context():
-                    model(input_ids=ids, use_cache=False)
-                if r:
-                    times[kernel].append(time.perf_counter() - t0)
-    return {k: statistics.median(t) for k, t in times.items()}
+            for m in rows:
+                for kernel, context in contexts.items():
+                    t0 = time.perf_counter()
+                    with context():
+                        model(input_ids=ids[m], use_cache=False)
+                    if r:
+                        times[kernel][m].append(time.perf_counter() - t0)
+    return {k: {m: statistics.median(t) for m, t in per_rows.items()} for k, per_rows in times.items()}
 
 
-def choose_kernel(measured: dict, one_token: dict | None = None, margin: float = 0.9) -> str:
+def choose_kernel(measured: dict, forwards: dict | None = None, margin: float = 0.9) -> str:
     """``stock`` unless oneDNN took under ``margin`` of the stock kernel's time on the output
-    projection's products (:func:`measure_linear`, summed over its row counts); then ``onednn``
-    where a one-token forward on it (:func:`measure_one_token`) is no slower than on stock, else
-    ``hybrid``: tree passes on oneDNN, one-token passes on the stock kernel."""
+    projection's products (:func:`measure_linear`, summed over its row counts). Then, from whole
+    forwards (:func:`measure_forwards`): ``stock`` where the forwards of 2 or more tokens (a tree
+    pass), summed, are no faster on oneDNN (a 2-core Xeon with AMX: oneDNN won the projection's
+    products but a 2-node pass took 61 ms on it against 34 ms on stock); else ``onednn`` where a
+    one-token forward on it is no slower than on stock, or ``hybrid``: tree passes on oneDNN,
+    one-token passes on the stock kernel (the 2-core AVX2 EPYC)."""
     if sum(measured["onednn"].values()) >= margin * sum(measured["stock"].values()):
         return "stock"
-    if one_token is not None and one_token["onednn"] > one_token["stock"]:
+    if forwards is None:
+        return "onednn"
+    stock, onednn = forwards["stock"], forwards["onednn"]
+    tree_rows = [m for m in stock if m > 1]
+    if tree_rows and sum(onednn[m] for m in tree_rows) >= sum(stock[m] for m in tree_rows):
+        return "stock"
+    if 1 in stock and onednn[1] > stock[1]:
         return "hybrid"
     return "onednn"
 
@@ -159,8 +174,9 @@ def linear_kernel(model, choice: str = "auto") -> str:
 
     ``auto``: oneDNN where it is available, the model computes in float32 on the CPU, its output
     projection has at least :data:`MIN_PROBE_WEIGHTS` weights and a ~0.3 s measurement on that
-    projection found oneDNN faster; then a ~1 s measurement of one-token forwards keeps ``onednn``
-    where it is no slower there too, else ``hybrid`` (measured once per model); otherwise stock.
+    projection found oneDNN faster; then a ~2 s measurement of whole forwards of 1, 2 and 8 tokens
+    keeps ``stock`` where oneDNN does not win the tree-sized ones, ``onednn`` where it wins them
+    and is no slower on one token, else ``hybrid`` (measured once per model).
     ``onednn`` forces it (a UserError where this PyTorch cannot), ``hybrid`` forces it for every
     pass but the one-token ones, ``stock`` never routes anything."""
     if choice not in KERNELS:
@@ -180,8 +196,8 @@ def linear_kernel(model, choice: str = "auto") -> str:
         if onednn_available():
             measured = measure_linear(weight.detach())
             choice = choose_kernel(measured)
-            if choice != "stock":  # the one-token forwards are timed only where oneDNN won the products
-                choice = choose_kernel(measured, measure_one_token(model))
+            if choice != "stock":  # whole forwards are timed only where oneDNN won the products
+                choice = choose_kernel(measured, measure_forwards(model))
         _chosen[model] = choice
     return _chosen[model]
 

@@ -103,27 +103,37 @@ def _times(one, four, eight):
 FASTER_ON_ONEDNN = {"stock": _times(0.011, 0.018, 0.020), "onednn": _times(0.005, 0.006, 0.007)}
 
 
-@pytest.mark.parametrize("measured,one_token,expected", [
-    (FASTER_ON_ONEDNN, {"stock": 0.080, "onednn": 0.070}, "onednn"),
-    # the session-26 AVX2 CPU: oneDNN wins the output projection, a one-token forward is slower on it
-    (FASTER_ON_ONEDNN, {"stock": 0.067, "onednn": 0.078}, "hybrid"),
+def _forwards(stock, onednn):
+    """Whole-forward seconds for 1, 2 and 8 tokens per kernel (:func:`kernels.measure_forwards`)."""
+    return {"stock": dict(zip((1, 2, 8), stock)), "onednn": dict(zip((1, 2, 8), onednn))}
+
+
+@pytest.mark.parametrize("measured,forwards,expected", [
+    (FASTER_ON_ONEDNN, _forwards((0.080, 0.090, 0.100), (0.070, 0.075, 0.080)), "onednn"),
+    # the session-26 AVX2 CPU: oneDNN wins the output projection and tree passes, a one-token forward is slower on it
+    (FASTER_ON_ONEDNN, _forwards((0.067, 0.120, 0.110), (0.078, 0.080, 0.085)), "hybrid"),
+    # the session-29 Xeon with AMX: oneDNN wins the output projection, every whole forward is slower on it
+    (FASTER_ON_ONEDNN, _forwards((0.031, 0.034, 0.058), (0.050, 0.061, 0.068)), "stock"),
+    # faster on 8 tokens, slower on 2: the tree-sized forwards are judged summed
+    (FASTER_ON_ONEDNN, _forwards((0.031, 0.034, 0.070), (0.030, 0.061, 0.060)), "stock"),
     ({"stock": _times(0.006, 0.007, 0.008), "onednn": _times(0.006, 0.007, 0.007)}, None, "stock"),  # not clearly faster
     ({"stock": _times(0.006, 0.018, 0.020), "onednn": _times(0.012, 0.030, 0.040)}, None, "stock")])
-def test_auto_measures_once_per_model_and_keeps_onednn_only_where_clearly_faster(monkeypatch, measured, one_token, expected):
+def test_auto_measures_once_per_model_and_keeps_onednn_only_where_clearly_faster(monkeypatch, measured, forwards, expected):
     big = tiny_random_model("llama", vocab_size=16384, hidden_size=64, num_layers=1)  # 1M output weights
-    probes, forwards = [], []
+    probes, timed = [], []
     monkeypatch.setattr(kernels, "measure_linear", lambda w: probes.append(w.shape) or measured)
-    monkeypatch.setattr(kernels, "measure_one_token", lambda m: forwards.append(m) or one_token or pytest.fail("not needed"))
+    monkeypatch.setattr(kernels, "measure_forwards", lambda m: timed.append(m) or forwards or pytest.fail("not needed"))
     assert Verifier(big).kernel == expected
     assert Verifier(big).kernel == expected
     assert probes == [(16384, 64)]
-    assert forwards == ([big] if one_token else [])  # the forward is timed only where oneDNN won the products
+    assert timed == ([big] if forwards else [])  # the forwards are timed only where oneDNN won the products
 
 
-def test_measure_one_token_times_a_forward_on_both_kernels(llama, onednn_rows):
-    out = kernels.measure_one_token(llama, repeats=1)
-    assert set(out) == {"stock", "onednn"} and min(out.values()) > 0
-    assert onednn_rows  # the oneDNN timing really ran there
+def test_measure_forwards_times_each_token_count_on_both_kernels(llama, onednn_rows):
+    out = kernels.measure_forwards(llama, rows=(1, 3), repeats=1)
+    assert set(out) == {"stock", "onednn"}
+    assert all(set(t) == {1, 3} and min(t.values()) > 0 for t in out.values())
+    assert 3 in onednn_rows  # the oneDNN timing really ran the 3-token forward there
 
 
 def test_hybrid_verifier_runs_one_token_passes_and_long_prompts_with_no_mode_and_tree_passes_on_onednn(tiny_model, onednn_rows):
