@@ -10,8 +10,8 @@ matrix-vector products), so a 2- or 3-node tree cost more to verify than an 8-no
 :class:`OneDNNLinear` routes ``torch.nn.functional.linear`` through oneDNN for float32 CPU
 tensors while it is active (a ``TorchFunctionMode``: the model and its modeling code stay as they
 are). :func:`linear_kernel` decides per model: ``auto`` measures both kernels on the model's own
-output projection, then whole forwards of 1, 2 and 8 tokens, once per model, and keeps oneDNN only
-where it is faster on both. Where oneDNN wins the output projection's products but the tree-sized
+output projection, then whole forwards of 1, 2 and 8 tokens, once per model, and runs tree passes
+on oneDNN only where it is faster on both. Where oneDNN wins the output projection's products but the tree-sized
 forwards are slower on it (a 2-core Xeon with AVX-512 and AMX, whose MKL has no small-row slump:
 2 / 8-node passes of the default verifier took 61 / 68 ms on oneDNN against 34 / 58 ms on stock)
 it keeps stock; where it wins those but a one-token forward is slower on it (a 2-core AVX2 EPYC:
