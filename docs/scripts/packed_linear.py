@@ -8,18 +8,16 @@ rows equal the count it was packed for, so each tree size needs its own copy of 
 An experiment (session 30), not a kernel the engine offers: see BENCHMARKS.md.
 """
 import argparse
+import contextlib
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from tree_costs import SIZES, chain_pass_times  # this script's folder is first on sys.path
 
 from infer.models import load_verifier
-from infer.tree import build_tree
 from infer.verifier import Verifier
-
-SIZES = (1, 2, 4, 8, 16)
 
 
 class PackedLinear(TorchFunctionMode):
@@ -50,22 +48,10 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300)
     args = p.parse_args()
     v = Verifier(load_verifier("default", dtype="fp32").model, linear="stock")
-    v.prefill(torch.randint(100, 40000, (args.context,), generator=torch.Generator().manual_seed(0)))
-    trees = {n: build_tree(list(range(-1, n - 1))) for n in SIZES}
-    tokens = {n: torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n)) for n in SIZES}
-    zero, mode = torch.tensor([0]), PackedLinear(SIZES[1:])
-    times = {(k, n): [] for k in ("stock", "packed") for n in SIZES}
-    for r in range(args.rounds + 1):  # round 0 warms up (and packs)
-        for k in ("stock", "packed"):
-            for n in SIZES:
-                with torch.no_grad(), (mode if k == "packed" else torch.no_grad()):
-                    t0 = time.perf_counter()
-                    v.verify(tokens[n], trees[n])
-                    v.commit(zero, [0])
-                if r:
-                    times[(k, n)].append(time.perf_counter() - t0)
-    for k in ("stock", "packed"):
-        print(k, {n: round(1000 * statistics.median(times[(k, n)]), 1) for n in SIZES}, "ms")
+    mode = PackedLinear(SIZES[1:])  # packs on the warm-up round
+    times = chain_pass_times(v, args.context, args.rounds, {"stock": contextlib.nullcontext, "packed": lambda: mode})
+    for k, by_nodes in times.items():
+        print(k, {n: round(1000 * statistics.median(t), 1) for n, t in by_nodes.items()}, "ms")
 
 
 if __name__ == "__main__":

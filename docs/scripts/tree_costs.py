@@ -8,6 +8,7 @@ Each round verifies chains of 1, 2, 4, 8 and 16 nodes in turn and commits the ro
 cache grows by one position a round; medians over the rounds.
 """
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -21,6 +22,29 @@ from infer.verifier import Verifier
 SIZES = (1, 2, 4, 8, 16)
 
 
+def chain_pass_times(v: Verifier, context: int, rounds: int, modes=None) -> dict:
+    """Prefill ``v`` with ``context`` random tokens, then time verify passes of chains of each of
+    ``SIZES`` nodes, ``rounds`` times (after a warm-up round), under each of ``modes`` (name ->
+    a function making a context manager; default: one run with none) in turn within a round;
+    each pass commits the root only. Returns {mode name: {nodes: [seconds, ...]}}."""
+    modes = modes or {"": contextlib.nullcontext}
+    v.prefill(torch.randint(100, 40000, (context,), generator=torch.Generator().manual_seed(0)))
+    trees = {n: build_tree(list(range(-1, n - 1))) for n in SIZES}
+    tokens = {n: torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n)) for n in SIZES}
+    zero = torch.tensor([0])
+    times = {name: {n: [] for n in SIZES} for name in modes}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, make in modes.items():
+            for n in SIZES:
+                with make():
+                    t0 = time.perf_counter()
+                    v.verify(tokens[n], trees[n])
+                    v.commit(zero, [0])
+                if r:
+                    times[name][n].append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=40)
@@ -28,20 +52,7 @@ def main() -> None:
     p.add_argument("--linear", default="auto")
     args = p.parse_args()
     model = load_verifier("default", dtype="fp32").model
-    v = Verifier(model, linear=args.linear)
-    ids = torch.randint(100, 40000, (args.context,), generator=torch.Generator().manual_seed(0))
-    v.prefill(ids)
-    trees = {n: build_tree(list(range(-1, n - 1))) for n in SIZES}
-    tokens = {n: torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n)) for n in SIZES}
-    zero = torch.tensor([0])
-    times = {n: [] for n in SIZES}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for n in SIZES:
-            t0 = time.perf_counter()
-            v.verify(tokens[n], trees[n])
-            v.commit(zero, [0])
-            if r:
-                times[n].append(time.perf_counter() - t0)
+    times = chain_pass_times(Verifier(model, linear=args.linear), args.context, args.rounds)[""]
     one = statistics.median(times[1])
     print(json.dumps({"context": args.context, "rounds": args.rounds, "one_node_ms": round(1000 * one, 1),
                       "relative": {n: round(statistics.median(times[n]) / one, 3) for n in SIZES},
