@@ -107,19 +107,12 @@ def _draft_state(head: Eagle3Head, dtype: torch.dtype) -> dict:
     return state
 
 
-def export_eagle3(head: Eagle3Head, out: str | Path, *, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
-    """Write ``head`` in the EAGLE-3 layout that vLLM and SGLang load (into a fresh directory:
-    :func:`~heads.io.write_directory`; a non-empty ``out`` needs ``overwrite``)."""
-    cfg = head.config
-    aux = _check_eagle3_exportable(head, "eagle3")
-    if cfg.layer_config.get("norm_before_residual") or cfg.layer_config.get("norm_output"):
-        raise CheckpointError("SGLang runs only the plain EAGLE-3 layer; this head normalises before the residual or "
-                              "its output (a speculators variant): export it with --format speculators (vLLM)")
-    lc = cfg.layer_config
-    h = cfg.verifier.hidden_size
+def _llama_layer_fields(cfg) -> dict:
+    """The Llama decoder-layer fields of the head's one layer, as vLLM and SGLang read them
+    (``model_type`` llama whatever the verifier's family; ``cfg``: the head's config)."""
+    lc, h = cfg.layer_config, cfg.verifier.hidden_size
     n_heads = lc["num_attention_heads"]
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
+    return {
         "model_type": "llama",
         "num_hidden_layers": 1,
         "hidden_size": h,
@@ -130,9 +123,23 @@ def export_eagle3(head: Eagle3Head, out: str | Path, *, dtype: torch.dtype = tor
         "hidden_act": "silu",
         "rms_norm_eps": lc.get("rms_norm_eps", 1e-6),
         "vocab_size": cfg.verifier.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
         "max_position_embeddings": lc.get("max_position_embeddings", 8192),
-        **_rope_fields(lc),
+    }
+
+
+def export_eagle3(head: Eagle3Head, out: str | Path, *, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
+    """Write ``head`` in the EAGLE-3 layout that vLLM and SGLang load (into a fresh directory:
+    :func:`~heads.io.write_directory`; a non-empty ``out`` needs ``overwrite``)."""
+    cfg = head.config
+    aux = _check_eagle3_exportable(head, "eagle3")
+    if cfg.layer_config.get("norm_before_residual") or cfg.layer_config.get("norm_output"):
+        raise CheckpointError("SGLang runs only the plain EAGLE-3 layer; this head normalises before the residual or "
+                              "its output (a speculators variant): export it with --format speculators (vLLM)")
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_layer_fields(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        **_rope_fields(cfg.layer_config),
         "tie_word_embeddings": False,
         "attention_bias": False,
         "norm_before_residual": False,
@@ -187,20 +194,9 @@ def export_speculators(head: Eagle3Head, out: str | Path, *, embed_tokens: torch
     if speculative_tokens < 1:
         raise CheckpointError(f"speculative_tokens must be >= 1, not {speculative_tokens}")
     arch = architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.verifier.model_type, "LlamaForCausalLM")]
-    lc = cfg.layer_config
-    h, n_heads = cfg.verifier.hidden_size, lc["num_attention_heads"]
+    lc, h = cfg.layer_config, cfg.verifier.hidden_size
     layer = {
-        "model_type": "llama",  # vLLM runs every EAGLE-3 draft layer as a Llama layer
-        "hidden_size": h,
-        "intermediate_size": lc["intermediate_size"],
-        "num_hidden_layers": 1,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": lc.get("num_key_value_heads") or n_heads,
-        "head_dim": lc.get("head_dim") or h // n_heads,
-        "hidden_act": "silu",
-        "rms_norm_eps": lc.get("rms_norm_eps", 1e-6),
-        "vocab_size": cfg.verifier.vocab_size,
-        "max_position_embeddings": lc.get("max_position_embeddings", 8192),
+        **_llama_layer_fields(cfg),  # vLLM runs every EAGLE-3 draft layer as a Llama layer
         **_hf_rope(lc),
         "attention_bias": False,
         "mlp_bias": False,
