@@ -3,6 +3,8 @@ continuation is :class:`infer.selfcheck.OracleDrafter`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -52,6 +54,27 @@ def run_cli(argv, capsys):
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@contextlib.contextmanager
+def bench_stopped_at_prompt_two(monkeypatch):
+    """Inside: ``infer.bench``'s HF baseline raises ``KeyboardInterrupt`` on its third call (the
+    warm-up, prompt 1, then prompt 2), as a user's Ctrl-C would; after: the real baseline again."""
+    import infer.bench as bench
+
+    real, calls = bench.hf_generate, {"n": 0}
+
+    def stop_at_third_call(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "hf_generate", stop_at_third_call)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(bench, "hf_generate", real)
 
 
 def forked_map(fn, items, workers: int = 2) -> list:

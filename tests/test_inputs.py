@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from conftest import bench_stopped_at_prompt_two
 from conftest import run_cli as run
 from infer import SamplingParams, generate
 from infer.errors import UserError
@@ -103,26 +104,14 @@ def test_distill_out_a_directory_is_one_line(tmp_path, prompts, capsys):
 
 def test_bench_keeps_each_prompt_and_resumes(tmp_path, prompts, capsys, monkeypatch):
     """A stopped benchmark keeps the prompts it measured; the same command measures only the rest."""
-    import infer.bench as bench
-
     out = tmp_path / "r.json"
     argv = ["bench", *TINY, "--draft", "pld", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "8",
             "--methods", "vanilla,spec", "--tree-budget", "fixed"]
-    real = bench.hf_generate
-    calls = {"n": 0}
-
-    def stop_after_first_prompt(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:  # warm-up, prompt 1, then prompt 2: stop
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bench, "hf_generate", stop_after_first_prompt)
-    code, _, _ = run(argv, capsys)
+    with bench_stopped_at_prompt_two(monkeypatch):
+        code, _, _ = run(argv, capsys)
     assert code == 130 and not out.exists()
     partial = tmp_path / "r.json.partial.jsonl"
     assert len(partial.read_text().splitlines()) == 2  # the fingerprint, then prompt 1
-    monkeypatch.setattr(bench, "hf_generate", real)
     other = [a if a != "8" else "9" for a in argv]  # other settings, same --out: refused, the progress kept
     code, _, err = run(other, capsys)
     one_line_error(code, err, "other settings")

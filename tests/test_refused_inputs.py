@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import bench_stopped_at_prompt_two
 from infer.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,25 +355,14 @@ def test_a_chat_turn_beyond_the_context_is_refused_and_the_session_goes_on():
 
 def test_a_resumed_bench_with_another_grouping_is_refused(tmp_path, capsys, monkeypatch):
     """Issue 21.6: a resumed bench with --no-group-mt-bench changed reused the old results."""
-    import infer.bench as bench
-
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"write {i} {i} {i}", "category": c}) + "\n"
                                for i, c in enumerate(["writing", "coding", "writing"])))
     out = tmp_path / "r.json"
     argv = ["bench", *TINY, "--draft", "pld", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4",
             "--methods", "vanilla,spec", "--tree-budget", "fixed"]
-    real, calls = bench.hf_generate, {"n": 0}
-
-    def stop_after_first_prompt(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:  # warm-up, prompt 1, then prompt 2: stop
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bench, "hf_generate", stop_after_first_prompt)
-    assert _run(argv, capsys)[0] == 130
-    monkeypatch.setattr(bench, "hf_generate", real)
+    with bench_stopped_at_prompt_two(monkeypatch):
+        assert _run(argv, capsys)[0] == 130
     code, err = _run([*argv, "--no-group-mt-bench"], capsys)
     assert code == 2 and "other settings" in err and err.count("\n") == 1, err
     assert _run(argv, capsys)[0] == 0  # the same command resumes
