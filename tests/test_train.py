@@ -450,6 +450,18 @@ def test_init_from_starts_where_a_checkpoint_ended(tmp_path, distilled):
         build_draft_head(load_config(RECIPE, [f"data={distilled}", "prompts=", "head_type=medusa", f"init_from={tmp_path / 'first'}"]), model, [])
 
 
+def test_warm_start_facts_chain_a_hand_written_ancestry_as_one_entry():
+    """A shipped head's card once held ``ancestors`` as one hand-written string, which every head
+    warm-started from it listed character by character."""
+    from train.train_heads import warm_start_facts
+
+    parent = {"init_from": "heads/b", "ancestors": "a, then the head before it"}
+    assert warm_start_facts(parent, "heads/c") == {"init_from": "heads/c", "ancestors": ["heads/b", "a, then the head before it"]}
+    parent = {"init_from": "heads/b", "ancestors": ["heads/a", "heads/0"]}
+    assert warm_start_facts(parent, "heads/c")["ancestors"] == ["heads/b", "heads/a", "heads/0"]
+    assert warm_start_facts({}, "heads/c") == {"init_from": "heads/c"}
+
+
 def test_eval_only_measures_a_head_on_the_held_out_split(tmp_path, distilled):
     run(tmp_path, distilled, name="first", max_steps=4, eval_every=4)
     trained = json.loads((tmp_path / "first" / "train_history.json").read_text())[-1]

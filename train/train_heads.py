@@ -104,9 +104,11 @@ class Joint(nn.Module):
 
 def warm_start_facts(parent: dict, init_from: str | Path) -> dict:
     """The ``training`` facts a warm-started head starts with: where it started and, under
-    ``ancestors``, where that head started, nearest first (from the parent's own facts)."""
+    ``ancestors``, where that head started, nearest first (from the parent's own facts; a parent's
+    ``ancestors`` written by hand as one string is one entry, not a list of its characters)."""
     chain = [parent["init_from"]] if isinstance(parent.get("init_from"), str) else []
-    chain += list(parent.get("ancestors", []))
+    earlier = parent.get("ancestors", [])
+    chain += [earlier] if isinstance(earlier, str) else list(earlier)
     return {"init_from": str(init_from), **({"ancestors": chain} if chain else {})}
 
 
