@@ -128,16 +128,21 @@ ADAPTER = "adapter"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def file_digest(path: str | Path) -> str:
+    """SHA-256 of one file (hex), read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def adapter_digest(directory: str | Path) -> str:
     """SHA-256 of ``directory/adapter/adapter_model.safetensors`` (a Medusa-2 LoRA adapter)."""
     path = Path(directory) / ADAPTER / ADAPTER_WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"{path.parent} has no {ADAPTER_WEIGHTS}: not a LoRA adapter saved with safetensors")
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_digest(path)
 
 
 def verifier_adapter(directory: str | Path, config: HeadConfig) -> Path | None:

@@ -1,6 +1,7 @@
 """Training: only head parameters change, accumulation and DDP equal a bigger batch, resume
 reproduces an uninterrupted run, and the CLI recipe trains a head the engine can use."""
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -441,6 +442,8 @@ def test_init_from_starts_where_a_checkpoint_ended(tmp_path, distilled):
     run(tmp_path, distilled, name="third", max_steps=1, init_from=str(tmp_path / "first"))
     third = json.loads((tmp_path / "third" / "config.json").read_text())["training"]
     assert third["init_from"] == str(tmp_path / "first") and third["steps"] == 1 and "schedule" not in third
+    # the parent's weights by digest: its name may later hold another head
+    assert third["init_from_sha256"] == hashlib.sha256((tmp_path / "first" / "model.safetensors").read_bytes()).hexdigest()
     assert "the first run's schedule" not in (tmp_path / "third" / "README.md").read_text()
     assert "ancestors" not in third  # the first head started from scratch
     run(tmp_path, distilled, name="fourth", max_steps=1, init_from=str(tmp_path / "third"))
@@ -460,6 +463,7 @@ def test_warm_start_facts_chain_a_hand_written_ancestry_as_one_entry():
     parent = {"init_from": "heads/b", "ancestors": ["heads/a", "heads/0"]}
     assert warm_start_facts(parent, "heads/c")["ancestors"] == ["heads/b", "heads/a", "heads/0"]
     assert warm_start_facts({}, "heads/c") == {"init_from": "heads/c"}
+    assert warm_start_facts({}, "heads/c", "ab12") == {"init_from": "heads/c", "init_from_sha256": "ab12"}
 
 
 def test_eval_only_measures_a_head_on_the_held_out_split(tmp_path, distilled):

@@ -102,14 +102,17 @@ class Joint(nn.Module):
         return loss + self.cfg.medusa2_kl_weight * kl, metrics
 
 
-def warm_start_facts(parent: dict, init_from: str | Path) -> dict:
-    """The ``training`` facts a warm-started head starts with: where it started and, under
-    ``ancestors``, where that head started, nearest first (from the parent's own facts; a parent's
-    ``ancestors`` written by hand as one string is one entry, not a list of its characters)."""
+def warm_start_facts(parent: dict, init_from: str | Path, weights_sha256: str = "") -> dict:
+    """The ``training`` facts a warm-started head starts with: where it started, the SHA-256 of the
+    weights it started from (``init_from_sha256``: names such as ``heads/pretrained/default`` move
+    when a head ships, the digest does not) and, under ``ancestors``, where that head started,
+    nearest first (from the parent's own facts; a parent's ``ancestors`` written by hand as one
+    string is one entry, not a list of its characters)."""
     chain = [parent["init_from"]] if isinstance(parent.get("init_from"), str) else []
     earlier = parent.get("ancestors", [])
     chain += [earlier] if isinstance(earlier, str) else list(earlier)
-    return {"init_from": str(init_from), **({"ancestors": chain} if chain else {})}
+    return {"init_from": str(init_from), **({"init_from_sha256": weights_sha256} if weights_sha256 else {}),
+            **({"ancestors": chain} if chain else {})}
 
 
 def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
@@ -117,16 +120,19 @@ def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
     kind = "medusa" if cfg.head_type == "medusa2" else cfg.head_type
     if cfg.init_from:  # a warm start: the checkpoint's architecture and draft vocabulary
         from heads import CheckpointError, HeadMismatchError, load_head
+        from heads.io import WEIGHTS, file_digest, resolve
 
         try:
             head = load_head(cfg.init_from, verifier=model, dtype=torch.float32, device="cpu")
+            weights = resolve(cfg.init_from) / WEIGHTS  # absent for a foreign layout (EAGLE, speculators)
         except (CheckpointError, HeadMismatchError) as e:
             raise ConfigError(f"init_from {cfg.init_from}: {e}") from None
+        digest = file_digest(weights) if weights.is_file() else ""
         if head.config.head_type != kind:
             raise ConfigError(f"init_from {cfg.init_from} is a {head.config.head_type} head, not {kind}")
         # the new head's card describes this run, not the one it starts from (its data, schedule,
         # benchmarks), and keeps the chain of warm starts behind it (nearest first)
-        head.config = HeadConfig.from_dict({**head.config.to_dict(), "training": warm_start_facts(head.config.training, cfg.init_from)})
+        head.config = HeadConfig.from_dict({**head.config.to_dict(), "training": warm_start_facts(head.config.training, cfg.init_from, digest)})
         return head
     kwargs = {}
     if kind == "medusa":
