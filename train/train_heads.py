@@ -124,7 +124,7 @@ def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
 
         try:
             head = load_head(cfg.init_from, verifier=model, dtype=torch.float32, device="cpu")
-            weights = resolve(cfg.init_from) / WEIGHTS  # absent for a foreign layout (EAGLE, speculators)
+            weights = resolve(cfg.init_from) / WEIGHTS  # a layout with its weights under another name: no digest
         except (CheckpointError, HeadMismatchError) as e:
             raise ConfigError(f"init_from {cfg.init_from}: {e}") from None
         digest = file_digest(weights) if weights.is_file() else ""
