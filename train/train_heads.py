@@ -123,10 +123,11 @@ def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
         from heads.io import WEIGHTS, file_digest, resolve
 
         try:
-            head = load_head(cfg.init_from, verifier=model, dtype=torch.float32, device="cpu")
-            weights = resolve(cfg.init_from) / WEIGHTS  # a layout with its weights under another name: no digest
+            directory = resolve(cfg.init_from)  # once: a Hub id is looked up a single time
+            head = load_head(directory, verifier=model, dtype=torch.float32, device="cpu")
         except (CheckpointError, HeadMismatchError) as e:
             raise ConfigError(f"init_from {cfg.init_from}: {e}") from None
+        weights = directory / WEIGHTS  # a layout with its weights under another name: no digest
         digest = file_digest(weights) if weights.is_file() else ""
         if head.config.head_type != kind:
             raise ConfigError(f"init_from {cfg.init_from} is a {head.config.head_type} head, not {kind}")
