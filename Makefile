@@ -55,7 +55,7 @@ GPU_OUT   ?= results/gpu-check
 GPU_LIMIT ?= 300
 gpu-check:
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$(CURDIR)" timeout $(GPU_LIMIT) \
-		$(PYTHON) -m infer.cli selfcheck --device cuda --out "$(GPU_OUT)"; rc=$$?; rm -rf "$(GPU_OUT)/cli"; exit $$rc
+		$(PYTHON) -m infer.tools.cli selfcheck --device cuda --out "$(GPU_OUT)"; rc=$$?; rm -rf "$(GPU_OUT)/cli"; exit $$rc
 
 # DeepSpeed ZeRO-2 and ZeRO-3 executed on 2 CPU processes (no GPU needed): the tiny recipe through
 # `accelerate launch` with configs/accelerate/deepspeed-zero{2,3}-cpu.yaml, against a 1-process run of

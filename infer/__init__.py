@@ -3,22 +3,23 @@
 Entry points: :class:`Speculator` (``Speculator.from_pretrained(verifier, draft="auto")``, then
 ``.generate(text)`` / ``.stream(text)``), :func:`generate` / :func:`stream` (token ids in, token ids
 out), :func:`generate_text` (text in, text out, with the chat template), :class:`Verifier`, the
-drafters in :mod:`infer.drafters`, :func:`load_drafter` and :func:`load_verifier`.
+drafters in :mod:`infer.drafting` (the interface in :mod:`infer.core.drafter`), :func:`load_drafter` and :func:`load_verifier`.
 
 Importing the package does no work (the submodules below import torch and transformers only).
 """
 
-from .accept import Acceptance, greedy_accept, sample_accept, typical_accept, warp_probs
-from .drafters import Draft, Drafter, NoDrafter, PromptLookupDrafter
-from .engine import Chunk, GenerationResult, GenerationStats, generate, stream
-from .errors import UserError
-from .loading import load_drafter
-from .models import load_verifier
-from .params import SamplingParams
+from .core.accept import Acceptance, greedy_accept, sample_accept, typical_accept, warp_probs
+from .core.drafter import Draft, Drafter, NoDrafter
+from .core.engine import Chunk, GenerationResult, GenerationStats, generate, stream
+from .core.errors import UserError
+from .core.models import load_verifier
+from .core.params import SamplingParams
+from .core.text import encode_prompt, generate_text
+from .core.tree import DynamicTreeSpec, StaticTreeSpec, Tree, build_tree, load_tree_spec
+from .core.verifier import Verifier
+from .drafting.loading import load_drafter
+from .drafting.lookup import PromptLookupDrafter
 from .speculator import Speculator
-from .text import encode_prompt, generate_text
-from .tree import DynamicTreeSpec, StaticTreeSpec, Tree, build_tree, load_tree_spec
-from .verifier import Verifier
 
 __all__ = [
     "Acceptance", "Chunk", "Draft", "Drafter", "DynamicTreeSpec", "GenerationResult", "GenerationStats",

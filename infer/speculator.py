@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import Drafter
-from .engine import GenerationResult, GenerationStats, stream
-from .errors import UserError
-from .loading import draft_parts, load_drafter
-from .models import load_verifier
-from .params import SamplingParams
-from .text import StreamDecoder, encode_prompt, eos_ids
-from .tree import TreeSpec, load_tree_spec
-from .verifier import Verifier
+from .core.drafter import Drafter
+from .core.engine import GenerationResult, GenerationStats, stream
+from .core.errors import UserError
+from .core.models import load_verifier
+from .core.params import SamplingParams
+from .core.text import StreamDecoder, encode_prompt, eos_ids
+from .core.tree import TreeSpec, load_tree_spec
+from .core.verifier import Verifier
+from .drafting.loading import draft_parts, load_drafter
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Speculator:
         """Load ``verifier`` (what ``--verifier`` accepts) and the drafter ``draft`` (what
         ``--draft`` accepts: ``auto``, ``pld``, ``none``, a head checkpoint, ``a+b``).
         ``draft_dtype`` and ``linear`` are ``--draft-dtype`` and ``--linear``."""
-        from .kernels import check_kernel_device
+        from .core.kernels import check_kernel_device
 
         spec = load_tree_spec(tree) if isinstance(tree, str) else tree
         check_kernel_device(linear, device)  # before loading anything

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random verifiers of every supported family (the test drafter with a known
-continuation is :class:`infer.selfcheck.OracleDrafter`)."""
+continuation is :class:`infer.tools.selfcheck.OracleDrafter`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from infer.models import TINY_ARCHS, tiny_random_model
+from infer.core.models import TINY_ARCHS, tiny_random_model
 
 VOCAB = 256
 
@@ -46,7 +46,7 @@ def fresh_accelerate_state():
 
 def run_cli(argv, capsys):
     """``specheads ARGV`` in this process -> ``(exit code, stdout, stderr)``."""
-    from infer.cli import main
+    from infer.tools.cli import main
 
     try:
         code = main(argv)
@@ -58,9 +58,9 @@ def run_cli(argv, capsys):
 
 @contextlib.contextmanager
 def bench_stopped_at_prompt_two(monkeypatch):
-    """Inside: ``infer.bench``'s HF baseline raises ``KeyboardInterrupt`` on its third call (the
+    """Inside: ``infer.tools.bench``'s HF baseline raises ``KeyboardInterrupt`` on its third call (the
     warm-up, prompt 1, then prompt 2), as a user's Ctrl-C would; after: the real baseline again."""
-    import infer.bench as bench
+    import infer.tools.bench as bench
 
     real, calls = bench.hf_generate, {"n": 0}
 

@@ -161,7 +161,7 @@ def environment(python: Path) -> dict:
 def run_selfcheck(python: Path, out: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
     """The selfcheck's CI-sized dry run in the rehearsal environment, offline, the tree on PYTHONPATH."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([str(python), "-m", "infer.cli", "selfcheck", "--device", "cpu", "--small", "--out", str(out)],
+    return subprocess.run([str(python), "-m", "infer.tools.cli", "selfcheck", "--device", "cpu", "--small", "--out", str(out)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from infer.accept import greedy_accept, sample_accept, typical_accept
-from infer.tree import build_tree
+from infer.core.accept import greedy_accept, sample_accept, typical_accept
+from infer.core.tree import build_tree
 
 #       0
 #      / \

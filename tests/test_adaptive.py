@@ -6,11 +6,11 @@ import torch
 from conftest import hf_greedy
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from infer import generate
-from infer.cost import OnlineCost, VerifyCost
-from infer.drafters import Gate, Gates
-from infer.head_drafters import Calibration, EagleDrafter
-from infer.models import tiny_random_model
-from infer.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
+from infer.core.cost import OnlineCost, VerifyCost
+from infer.core.models import tiny_random_model
+from infer.core.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
+from infer.drafting.gate import Gate, Gates
+from infer.drafting.head_drafters import Calibration, EagleDrafter
 
 PRIOR = VerifyCost((1, 4, 16), (1.0, 1.5, 2.2))
 

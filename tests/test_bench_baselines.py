@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from infer import kernels
-from infer.cli import main
-from infer.prompts import MT_BENCH_GROUP, read_prompts
+from infer.core import kernels
+from infer.tools.cli import main
+from infer.tools.prompts import MT_BENCH_GROUP, read_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def test_bench_runs_hf_generate_on_the_engines_kernel(tmp_path, capsys, monkeypa
 
 def test_vanilla_on_onednn_really_runs_there(llama, monkeypatch):
     """HF generate inside the kernel's context routes the verifier's linears to oneDNN."""
-    from infer.bench import hf_generate
+    from infer.tools.bench import hf_generate
 
     seen = []
     real = kernels.onednn_linear

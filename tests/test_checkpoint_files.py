@@ -9,8 +9,8 @@ import torch
 from test_heads import make_head
 
 from heads import CheckpointError, load_head
-from infer.cli import main
-from infer.models import load_verifier
+from infer.core.models import load_verifier
+from infer.tools.cli import main
 
 
 class _Payload:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from infer.cli import main
+from infer.tools.cli import main
 
 TINY = ["--verifier", "tiny-random:llama"]
 
@@ -129,7 +129,7 @@ def test_console_script_exit_code():
 
 
 def test_prompt_files_may_hold_unicode_line_separators(tmp_path):
-    from infer.prompts import read_prompts
+    from infer.tools.prompts import read_prompts
     from train.data import load_prompts
 
     f = tmp_path / "p.jsonl"
@@ -148,9 +148,9 @@ def test_chat_streams_replies_with_a_status_line():
 
 
 def test_ctrl_c_stops_a_reply_not_the_chat(capsys):
-    from infer.chat import ChatSession
-    from infer.drafters import NoDrafter, root_only
-    from infer.models import load_verifier
+    from infer.core.drafter import NoDrafter, root_only
+    from infer.core.models import load_verifier
+    from infer.tools.chat import ChatSession
 
     class Interrupting(NoDrafter):
         calls = 0
@@ -200,8 +200,8 @@ def test_bench_compares_several_drafts_and_reports_efficiency(tmp_path, capsys):
 
 
 def test_bench_drafts_take_a_tree_each():
-    from infer.cli import bench_drafts
-    from infer.errors import UserError
+    from infer.core.errors import UserError
+    from infer.tools.cli import bench_drafts
 
     assert bench_drafts("runs/a+pld, runs/a+pld@dynamic:7,4,16,pld@chain:4,default") == [
         ("runs/a+pld", None), ("runs/a+pld", "dynamic:7,4,16"), ("pld", "chain:4"), ("default", None)]

@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
-import infer.models as models
+import infer.core.models as models
 from heads import VerifierSpec
-from infer.converted import MARKER, cache_root, converted_dir, find_converted
-from infer.models import byte_tokenizer, load_verifier, tiny_random_model
+from infer.core.converted import MARKER, cache_root, converted_dir, find_converted
+from infer.core.models import byte_tokenizer, load_verifier, tiny_random_model
 
 
 @pytest.fixture

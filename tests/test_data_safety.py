@@ -35,7 +35,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a verifier was loaded before the inputs were checked")
 
-    monkeypatch.setattr("infer.models.load_verifier", refuse)
+    monkeypatch.setattr("infer.core.models.load_verifier", refuse)
 
 
 def distil(out, *extra, prompts="synthetic:6"):
@@ -239,7 +239,7 @@ def _launch(tmp_path, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # SIGINT as a terminal's foreground job has it: a shell running the suite in the background
     # (CI may) hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt handler
-    return subprocess.Popen([sys.executable, "-P", "-m", "infer.cli", *args], cwd=tmp_path, env=env,
+    return subprocess.Popen([sys.executable, "-P", "-m", "infer.tools.cli", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -333,12 +333,12 @@ def test_a_heads_folder_in_the_working_directory_does_not_shadow_the_package(tmp
     assert proc.returncode == 0, err[-3000:]
     assert _records(out) == 2
     # `specheads train` validates the recipe in a `python -m train.train_heads --check` child first
-    import infer.cli
+    import infer.tools.cli
 
     launched = []
-    monkeypatch.setattr(infer.cli, "_run", lambda cmd, **kw: launched.append(cmd) or 0)
+    monkeypatch.setattr(infer.tools.cli, "_run", lambda cmd, **kw: launched.append(cmd) or 0)
     monkeypatch.chdir(tmp_path)
-    assert infer.cli.main(["train", "--config", str(RECIPE), f"output_dir={tmp_path / 'run'}"]) == 0, capsys.readouterr().err
+    assert infer.tools.cli.main(["train", "--config", str(RECIPE), f"output_dir={tmp_path / 'run'}"]) == 0, capsys.readouterr().err
     assert launched
 
 
@@ -523,7 +523,7 @@ sys.exit(1)
 
 
 def test_ctrl_c_under_the_launcher_is_the_programs_one_line(capfd):
-    from infer.cli import _run
+    from infer.tools.cli import _run
 
     assert _run([sys.executable, "-c", LAUNCHER_CTRL_C], launcher=True) == 130
     assert capfd.readouterr().err == "train_heads: interrupted: --resume continues from the last checkpoint\n"

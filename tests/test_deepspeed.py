@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from infer import generate
-from infer.head_drafters import load_head_drafter
-from infer.models import load_verifier
-from infer.text import encode_prompt
+from infer.core.models import load_verifier
+from infer.core.text import encode_prompt
+from infer.drafting.head_drafters import load_head_drafter
 from train.config import load_config
 from train.deepspeed_check import head_tensors, launch, max_abs_diff, recipe_args
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from infer import PromptLookupDrafter, generate
-from infer.bench import hf_generate
-from infer.models import load_verifier
-from infer.text import encode_prompt, eos_ids, generate_text
+from infer.core.models import load_verifier
+from infer.core.text import encode_prompt, eos_ids, generate_text
+from infer.tools.bench import hf_generate
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_greedy_output_identical_to_hf_generate(default):
 
 
 def test_shipped_default_head_is_lossless_and_accepts(default):
-    from infer.loading import load_drafter
+    from infer.drafting.loading import load_drafter
 
     eos = eos_ids(default.model, default.tokenizer)
     for draft in ("default", "default+pld"):

@@ -12,9 +12,10 @@ from conftest import VOCAB, forked_map, hf_greedy
 from heads import HeadConfig, VerifierSpec, build_head, default_dflash_layers, load_head
 from heads.dflash import DFlashHead
 from infer import generate
-from infer.block_drafter import BlockDrafter
-from infer.drafters import PromptLookupDrafter, UnionDrafter
-from infer.models import tiny_random_model
+from infer.core.models import tiny_random_model
+from infer.drafting.block_drafter import BlockDrafter
+from infer.drafting.lookup import PromptLookupDrafter
+from infer.drafting.union import UnionDrafter
 
 
 def make_dflash(model, seed=0, block_size=5, vocab=96, layers=2, aux=None):
@@ -134,8 +135,8 @@ def test_hf_layers_reproduce_the_reference_dflash_attention(llama):
 
 def test_one_head_pass_and_at_most_one_read_per_step(llama):
     from infer import stream
-    from infer.cost import VerifyCost
-    from infer.diagnostics import HostReadCounter
+    from infer.core.cost import VerifyCost
+    from infer.core.diagnostics import HostReadCounter
 
     ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(0))
     # at the dispatch level: 2 for acceptance (its read back, the accepted tokens' copy) + the chain's
@@ -187,7 +188,7 @@ def test_export_has_the_fields_vllm_and_sglang_validate(tmp_path, llama):
     from safetensors.torch import load_file
 
     from heads.dflash_export import export_dflash
-    from infer.cli import main
+    from infer.tools.cli import main
 
     head = make_dflash(llama, aux=(1,))  # the output of layer 0 (a 2-layer verifier's last layer is not captured)
     head.save_pretrained(tmp_path / "h")
@@ -228,7 +229,7 @@ def test_a_block_drafter_that_is_never_accepted_stops_running(llama):
     """With the engine's online cost, the gate pauses a block drafter whose chains do not pay:
     the head stops running (a random head, before the gate: a pass every step, 0.82-0.91x HF
     greedy for the first trained block drafter on Spec-Bench); the output stays the verifier's."""
-    from infer.cost import OnlineCost, VerifyCost
+    from infer.core.cost import OnlineCost, VerifyCost
 
     cost = OnlineCost(VerifyCost((1, 4, 16), (1.0, 1.5, 2.2)))
     for _ in range(5):  # as if the engine had timed a few steps already
@@ -250,7 +251,7 @@ def test_a_block_drafter_that_is_never_accepted_stops_running(llama):
 def test_the_chain_host_form_is_the_drafted_chain(llama):
     """Under a cost curve the chain's tokens come to the host with its probabilities (one read),
     so merging it with prompt lookup reads nothing more."""
-    from infer.cost import VerifyCost
+    from infer.core.cost import VerifyCost
 
     drafter = BlockDrafter(make_dflash(llama), llama, cost=VerifyCost((1, 8), (1.0, 1.0)))  # free: the whole chain
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4))

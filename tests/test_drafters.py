@@ -2,9 +2,9 @@
 
 import torch
 
-from infer.cost import DEFAULT_COST, VerifyCost, best_chain_depth, expected_tokens
-from infer.drafters import PromptLookupDrafter
-from infer.tree import DynamicTreeSpec
+from infer.core.cost import DEFAULT_COST, VerifyCost, best_chain_depth, expected_tokens
+from infer.core.tree import DynamicTreeSpec
+from infer.drafting.lookup import PromptLookupDrafter
 
 
 def test_verify_cost_interpolates_and_extrapolates():

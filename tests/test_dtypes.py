@@ -9,9 +9,9 @@ from test_heads import make_head
 
 from conftest import hf_greedy
 from infer import generate
-from infer.cli import main
-from infer.head_drafters import EagleDrafter, draft_dtype, load_head_drafter
-from infer.models import load_verifier, random_config, resolve_dtype, tiny_random_model
+from infer.core.models import load_verifier, random_config, resolve_dtype, tiny_random_model
+from infer.drafting.head_drafters import EagleDrafter, draft_dtype, load_head_drafter
+from infer.tools.cli import main
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "eagle1", "eagle3"])
@@ -59,7 +59,7 @@ def test_random_presets_are_real_shapes_built_in_the_target_dtype():
 def test_bf16_greedy_mostly_matches_and_fp32_always(tmp_path):
     """fp32 is exact; bf16 tree passes batch rows differently from one-token steps, so near-ties
     can flip: measured, not asserted to be 100%."""
-    from infer.selfcheck import part_identity
+    from infer.tools.selfcheck import part_identity
 
     res = part_identity(torch.device("cpu"), small=True)
     assert res["fp32_all_identical"] is True

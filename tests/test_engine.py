@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from conftest import VOCAB, hf_greedy
 from infer import PromptLookupDrafter, generate, stream
-from infer.errors import UserError
-from infer.models import load_verifier, tiny_random_model
-from infer.selfcheck import OracleDrafter
+from infer.core.errors import UserError
+from infer.core.models import load_verifier, tiny_random_model
+from infer.tools.selfcheck import OracleDrafter
 
 N_NEW = 40
 
@@ -138,8 +138,9 @@ def test_bad_prompts_are_user_errors(llama):
 
 
 def test_merged_drafts_share_common_paths():
-    from infer.drafters import Draft, merge_drafts
-    from infer.tree import build_tree
+    from infer.core.drafter import Draft
+    from infer.core.tree import build_tree
+    from infer.drafting.union import merge_drafts
 
     a = Draft(torch.tensor([7, 1, 2, 3]), build_tree([-1, 0, 1, 0]))  # 7 -> 1 -> 2, 7 -> 3
     b = Draft(torch.tensor([7, 1, 2, 5, 9]), build_tree([-1, 0, 1, 2, 0]))  # 7 -> 1 -> 2 -> 5, 7 -> 9
@@ -152,7 +153,7 @@ def test_merged_drafts_share_common_paths():
 
 @pytest.mark.parametrize("order", ["wrong-first", "oracle-first"])
 def test_union_of_drafters_is_lossless_and_keeps_the_best(llama, order):
-    from infer.drafters import UnionDrafter
+    from infer.drafting.union import UnionDrafter
 
     ids = _prompt(3)
     ref = hf_greedy(llama, ids, N_NEW)
@@ -167,7 +168,7 @@ def test_union_of_drafters_is_lossless_and_keeps_the_best(llama, order):
 
 
 def test_union_merges_deterministic_drafts_when_sampling(llama):
-    from infer.drafters import UnionDrafter
+    from infer.drafting.union import UnionDrafter
 
     ids = _prompt(4)
     ref = hf_greedy(llama, ids, N_NEW)

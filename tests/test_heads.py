@@ -18,9 +18,9 @@ from heads import (
 )
 from heads.masks import causal_mask
 from infer import generate
-from infer.errors import UserError
-from infer.head_drafters import EagleDrafter, MedusaDrafter, load_head_drafter
-from infer.models import tiny_random_model
+from infer.core.errors import UserError
+from infer.core.models import tiny_random_model
+from infer.drafting.head_drafters import EagleDrafter, MedusaDrafter, load_head_drafter
 
 HEAD_TYPES = ("medusa", "eagle1", "eagle3")
 
@@ -136,7 +136,7 @@ def test_save_is_atomic_and_replaces(tmp_path, llama):
 def test_bf16_checkpoint_halves_the_file_and_loads_as_float32(tmp_path, llama, capsys):
     from safetensors.torch import load_file
 
-    from infer.cli import main
+    from infer.tools.cli import main
 
     head = make_head(llama, "eagle3")
     head.save_pretrained(tmp_path / "fp32")
@@ -193,8 +193,9 @@ def test_hub_roundtrip_without_network(tmp_path, llama, monkeypatch):
 
 def test_auto_draft_picks_the_shipped_heads_of_this_verifier(tmp_path, monkeypatch, llama):
     import heads.io
-    from infer.drafters import PromptLookupDrafter, UnionDrafter
-    from infer.loading import load_drafter
+    from infer.drafting.loading import load_drafter
+    from infer.drafting.lookup import PromptLookupDrafter
+    from infer.drafting.union import UnionDrafter
 
     other = tiny_random_model("qwen2")
     make_head(llama, "eagle3").save_pretrained(tmp_path / "for-llama")
@@ -207,7 +208,7 @@ def test_auto_draft_picks_the_shipped_heads_of_this_verifier(tmp_path, monkeypat
     assert isinstance(load_drafter("auto", tiny_random_model("mistral"), tree=None, budget="fixed"), PromptLookupDrafter)
     with pytest.raises(UserError, match="trained for"):
         load_drafter("for-qwen", llama, tree=None, budget="fixed")  # a shipped head by name, wrong verifier
-    from infer.tree import load_tree_spec
+    from infer.core.tree import load_tree_spec
 
     static = load_drafter("auto", llama, tree=load_tree_spec("chain-4"), budget="fixed")  # a static tree: not for EAGLE
     assert static.drafters[0].tree != load_tree_spec("chain-4") and static.drafters[1].tree == load_tree_spec("chain-4")

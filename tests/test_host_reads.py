@@ -1,6 +1,6 @@
 """The decoding loop syncs with the device a small constant number of times per verify step.
 
-Counted with :class:`infer.diagnostics.HostReadCounter` at the dispatch level on CPU, the CPU
+Counted with :class:`infer.core.diagnostics.HostReadCounter` at the dispatch level on CPU, the CPU
 standing in for a GPU (every tensor is a device tensor; every tensor made from host data is a
 host-to-device copy). Per verify step, with every shipped drafter, greedy and sampled: at most
 one sync per drafted depth plus two for the acceptance (its read back, and the accepted tokens
@@ -16,11 +16,13 @@ import torch
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from infer import stream
-from infer.diagnostics import HostReadCounter
-from infer.drafters import NoDrafter, PromptLookupDrafter, UnionDrafter
-from infer.head_drafters import EagleDrafter
-from infer.models import tiny_random_model
-from infer.tree import DynamicTreeSpec, at
+from infer.core.diagnostics import HostReadCounter
+from infer.core.drafter import NoDrafter
+from infer.core.models import tiny_random_model
+from infer.core.tree import DynamicTreeSpec, at
+from infer.drafting.head_drafters import EagleDrafter
+from infer.drafting.lookup import PromptLookupDrafter
+from infer.drafting.union import UnionDrafter
 
 MODES = [{}, {"temperature": 1.0, "seed": 0}]
 
@@ -157,7 +159,7 @@ def test_head_syncs_do_not_grow_with_the_tree(model, head, kwargs):
 
 @pytest.mark.parametrize("kwargs", MODES, ids=["greedy", "sampling"])
 def test_head_with_pruning_and_a_cost_budget(model, head, kwargs):
-    from infer.cost import VerifyCost
+    from infer.core.cost import VerifyCost
 
     for depth in (2, 5):
         cost = VerifyCost((1, 8, 64), (1.0, 1.1, 1.5))
@@ -180,7 +182,7 @@ def test_the_union_auto_builds(model, head, kwargs, tmp_path, monkeypatch):
     """``--draft auto`` for a verifier with a shipped head: the head and prompt lookup, merged
     on the host from what each drafter already knows there."""
     import heads.io
-    from infer.loading import load_drafter
+    from infer.drafting.loading import load_drafter
 
     head.save_pretrained(tmp_path / "tiny")
     monkeypatch.setattr(heads.io, "PRETRAINED_DIR", tmp_path)
@@ -231,7 +233,7 @@ def test_selfcheck_counts_cuda_sync_warnings_and_restores_the_mode(monkeypatch):
     ``torch.cuda.set_sync_debug_mode("warn")`` (here a stand-in records the mode calls)."""
     import warnings
 
-    from infer.selfcheck import cuda_sync_warnings
+    from infer.tools.selfcheck import cuda_sync_warnings
 
     modes = ["error"]
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])

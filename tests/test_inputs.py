@@ -12,8 +12,8 @@ import torch
 from conftest import bench_stopped_at_prompt_two
 from conftest import run_cli as run
 from infer import SamplingParams, generate
-from infer.errors import UserError
-from infer.models import tiny_random_model
+from infer.core.errors import UserError
+from infer.core.models import tiny_random_model
 
 TINY = ["--verifier", "tiny-random:llama"]
 
@@ -23,7 +23,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a verifier was loaded before the arguments were checked")
 
-    monkeypatch.setattr("infer.models.load_verifier", refuse)
+    monkeypatch.setattr("infer.core.models.load_verifier", refuse)
 
 
 def one_line_error(code, err, message):

@@ -39,9 +39,9 @@ from conftest import VOCAB, hf_greedy
 from heads import CheckpointError, Eagle3Head, HeadConfig, build_head, load_head
 from heads.interop import detect_format, export_eagle3, export_medusa
 from infer import generate
-from infer.cli import main
-from infer.head_drafters import load_head_drafter
-from infer.models import tiny_random_model
+from infer.core.models import tiny_random_model
+from infer.drafting.head_drafters import load_head_drafter
+from infer.tools.cli import main
 
 
 def expected_eagle3_keys(h, inter, heads, kv_heads, head_dim, vd, v):
@@ -333,7 +333,7 @@ def test_export_never_mixes_with_a_previous_export(tmp_path, llama, capsys):
 def test_a_head_changes_the_verifier_only_when_its_config_declares_it(tmp_path, llama):
     import shutil
 
-    from infer.errors import UserError
+    from infer.core.errors import UserError
 
     m2 = medusa2_checkpoint(llama, tmp_path / "m2")
     e3 = make_head(llama, "eagle3").save_pretrained(tmp_path / "e3")

@@ -1,4 +1,4 @@
-"""The verifier's CPU linear kernel (infer.kernels): oneDNN computes what F.linear computes, only
+"""The verifier's CPU linear kernel (infer.core.kernels): oneDNN computes what F.linear computes, only
 float32 CPU inference calls are routed, the engine stays exact on it for every family, and
 ``auto`` picks by measurement (stock on GPUs, half precision and toy models)."""
 
@@ -7,13 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from conftest import VOCAB, hf_greedy
-from infer import generate, kernels
-from infer.cli import bench_kernels
-from infer.errors import UserError
-from infer.models import tiny_random_model
-from infer.selfcheck import OracleDrafter
-from infer.tree import build_tree
-from infer.verifier import Verifier
+from infer import generate
+from infer.core import kernels
+from infer.core.errors import UserError
+from infer.core.models import tiny_random_model
+from infer.core.tree import build_tree
+from infer.core.verifier import Verifier
+from infer.tools.cli import bench_kernels
+from infer.tools.selfcheck import OracleDrafter
 
 pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN float32 linear")
 

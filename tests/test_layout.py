@@ -82,7 +82,7 @@ def test_infer_has_no_cycle_and_train_does_not_need_the_benchmark():
     graph = _graph("infer")
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
     for path in (ROOT / "train").rglob("*.py"):
-        assert not any(n.startswith("infer.bench") or n.startswith("infer.cli") for n in _imports(path, "train")), path
+        assert not any(n.startswith("infer.tools.bench") or n.startswith("infer.tools.cli") for n in _imports(path, "train")), path
     for path in (ROOT / "infer").rglob("*.py"):  # one mask helper, by its public name
         assert "_float_mask" not in path.read_text(), path
 

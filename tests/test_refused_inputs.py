@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import bench_stopped_at_prompt_two
-from infer.cli import main
+from infer.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "refused-inputs.md"
@@ -153,7 +153,7 @@ def _refuse_weights(monkeypatch) -> None:
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)  # the default verifier's 18 s
-    monkeypatch.setattr("infer.models.available_memory", lambda device: 8 * GiB)
+    monkeypatch.setattr("infer.core.models.available_memory", lambda device: 8 * GiB)
 
 
 def _run(argv, capsys) -> tuple[int, str]:
@@ -193,8 +193,8 @@ def test_the_refused_inputs_document_lists_every_case():
 @pytest.fixture(scope="module")
 def speculator():
     from infer import Speculator
-    from infer.drafters import PromptLookupDrafter
-    from infer.models import load_verifier
+    from infer.core.models import load_verifier
+    from infer.drafting.lookup import PromptLookupDrafter
 
     lv = load_verifier("tiny-random:llama")
     return Speculator(lv.model, lv.tokenizer, PromptLookupDrafter())
@@ -202,7 +202,7 @@ def speculator():
 
 def test_two_streams_of_one_speculator_are_refused_not_interleaved(speculator):
     """Issue 21.2: two stream() generators consumed alternately used to give two wrong outputs."""
-    from infer.errors import UserError
+    from infer.core.errors import UserError
     from infer.speculator import BUSY
 
     alone = speculator.generate("count 1 2 3 1 2 3", max_new_tokens=12).token_ids
@@ -224,7 +224,7 @@ def test_two_streams_of_one_speculator_are_refused_not_interleaved(speculator):
 
 def test_two_threads_on_one_speculator_get_their_own_output_or_a_clear_refusal(speculator):
     """Issue 21.2: two threads calling generate failed 19 of 20 times with tensor-size errors."""
-    from infer.errors import UserError
+    from infer.core.errors import UserError
 
     prompts = ["count 1 2 3 1 2 3", "the cat sat on the mat the cat"]
     expected = {p: speculator.generate(p, max_new_tokens=16).token_ids for p in prompts}
@@ -252,8 +252,8 @@ def test_two_threads_on_one_speculator_get_their_own_output_or_a_clear_refusal(s
 
 def test_a_string_stop_is_one_stop_string(speculator):
     """Issue 21.8: stop="abc" was split into the stop strings "a", "b", "c"."""
-    from infer.engine import _Stopper
-    from infer.errors import UserError
+    from infer.core.engine import _Stopper
+    from infer.core.errors import UserError
 
     full = speculator.generate("count 1 2 3 1 2 3", max_new_tokens=24, chat=False)
     first = next(c for c in full.text if c.strip())  # a character the output holds early
@@ -269,7 +269,7 @@ def test_a_string_stop_is_one_stop_string(speculator):
 def test_the_api_refuses_bad_prompts_in_one_line(speculator, prompt, message):
     """Issue 21.15 (a lone surrogate was a TypeError) and an empty id list ("not torch.float32")."""
     from infer import generate
-    from infer.errors import UserError
+    from infer.core.errors import UserError
 
     with pytest.raises(UserError, match=message):
         speculator.generate(prompt, max_new_tokens=4)
@@ -281,7 +281,7 @@ def test_the_api_refuses_bad_prompts_in_one_line(speculator, prompt, message):
 def test_from_pretrained_checks_the_draft_before_loading(monkeypatch):
     """Issue 21.18, API side: a bad draft spec fails before the verifier's load."""
     from infer import Speculator
-    from infer.errors import UserError
+    from infer.core.errors import UserError
 
     _refuse_weights(monkeypatch)
     monkeypatch.setattr("infer.speculator.load_verifier", lambda *a, **k: pytest.fail("the verifier loaded first"))
@@ -293,8 +293,8 @@ def test_from_pretrained_checks_the_draft_before_loading(monkeypatch):
 def test_a_relative_path_beside_its_directory_is_a_path_not_a_hub_id(tmp_path, monkeypatch):
     """``runs/typo`` next to a ``runs/`` directory is a missing path (it used to go to the Hub)."""
     from heads.io import is_hub_id
-    from infer.errors import UserError
-    from infer.loading import draft_parts
+    from infer.core.errors import UserError
+    from infer.drafting.loading import draft_parts
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
@@ -305,9 +305,9 @@ def test_a_relative_path_beside_its_directory_is_a_path_not_a_hub_id(tmp_path, m
 
 def test_run_bench_checks_every_prompt_against_the_context_before_any_method(speculator, monkeypatch):
     """Issue 21.13: HF's baseline ran a million tokens before the context check."""
-    import infer.bench as bench
-    from infer.errors import UserError
-    from infer.prompts import BenchPrompt
+    import infer.tools.bench as bench
+    from infer.core.errors import UserError
+    from infer.tools.prompts import BenchPrompt
 
     def refuse(*a, **k):
         raise AssertionError("a method ran before the prompts were checked")
@@ -338,9 +338,9 @@ def test_a_chat_turn_beyond_the_context_is_refused_and_the_session_goes_on():
     """Issue 21.10: history plus max_new_tokens beyond the context ended the whole session."""
     import io
 
-    from infer.chat import ChatSession, run_chat
-    from infer.drafters import NoDrafter
-    from infer.models import load_verifier
+    from infer.core.drafter import NoDrafter
+    from infer.core.models import load_verifier
+    from infer.tools.chat import ChatSession, run_chat
 
     lv = load_verifier("tiny-random:llama")  # context 1024
     session = ChatSession(lv.model, lv.tokenizer, NoDrafter(), gen_kwargs={"max_new_tokens": 8})
@@ -370,7 +370,7 @@ def test_a_resumed_bench_with_another_grouping_is_refused(tmp_path, capsys, monk
 
 
 def test_every_bench_option_that_changes_results_is_in_the_resume_fingerprint():
-    from infer.cli import BENCH_NOT_IN_FINGERPRINT, bench_fingerprint, build_parser
+    from infer.tools.cli import BENCH_NOT_IN_FINGERPRINT, bench_fingerprint, build_parser
 
     args = build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--out", "r.json"])
     fingerprint = bench_fingerprint(args)

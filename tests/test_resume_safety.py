@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
-    from infer.models import load_verifier
+    from infer.core.models import load_verifier
     from train.data import distill, load_prompts
 
     path = tmp_path_factory.mktemp("data") / "distilled.jsonl"

@@ -11,10 +11,12 @@ import torch
 
 from conftest import run_cli as run
 from infer import generate
-from infer.drafters import Draft, Drafter, NoDrafter, PromptLookupDrafter, UnionDrafter
-from infer.engine import sampling_generator
-from infer.errors import UserError
-from infer.tree import build_tree
+from infer.core.drafter import Draft, Drafter, NoDrafter
+from infer.core.engine import sampling_generator
+from infer.core.errors import UserError
+from infer.core.tree import build_tree
+from infer.drafting.lookup import PromptLookupDrafter
+from infer.drafting.union import UnionDrafter
 
 PROMPT = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
 
@@ -51,7 +53,7 @@ def test_a_generator_on_another_device_seeds_one_on_the_verifiers():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by make gpu-check's pytest line)")
 def test_cpu_generator_with_a_cuda_verifier():
-    from infer.models import tiny_random_model
+    from infer.core.models import tiny_random_model
 
     model = tiny_random_model("llama", vocab_size=256, seed=1).cuda()
     outs = [generate(model, PromptLookupDrafter(), PROMPT, max_new_tokens=10, temperature=1.0,
@@ -75,8 +77,8 @@ def test_onednn_on_a_gpu_is_refused_before_loading(capsys):
 
 
 def test_onednn_kernel_for_a_model_off_the_cpu_is_refused(llama):
-    from infer.kernels import linear_kernel
-    from infer.models import tiny_random_model
+    from infer.core.kernels import linear_kernel
+    from infer.core.models import tiny_random_model
 
     meta = tiny_random_model("llama", vocab_size=256, seed=1).to("meta")
     with pytest.raises(UserError, match="CPU kernel"):
@@ -85,16 +87,16 @@ def test_onednn_kernel_for_a_model_off_the_cpu_is_refused(llama):
 
 
 def test_compare_times_sampling_against_sampling(capsys, monkeypatch):
-    import infer.bench
+    import infer.tools.bench
 
     calls = []
-    real = infer.bench.hf_generate
+    real = infer.tools.bench.hf_generate
 
     def spy(model, ids, n, eos, **kw):
         calls.append(kw)
         return real(model, ids, n, eos, **kw)
 
-    monkeypatch.setattr(infer.bench, "hf_generate", spy)
+    monkeypatch.setattr(infer.tools.bench, "hf_generate", spy)
     state = torch.get_rng_state()
     code, out, _ = run(["generate", "--verifier", "tiny-random:llama", "--prompt", "hello", "--max-new-tokens", "6",
                         "--temperature", "0.7", "--top-k", "20", "--seed", "3", "--compare", "--json"], capsys)

@@ -16,10 +16,10 @@ from transformers.generation.logits_process import (
 
 from conftest import forked_map
 from infer import generate
-from infer.accept import warp_probs
-from infer.drafters import Draft, Drafter
-from infer.models import tiny_random_model
-from infer.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
+from infer.core.accept import warp_probs
+from infer.core.drafter import Draft, Drafter
+from infer.core.models import tiny_random_model
+from infer.core.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
 
 V = 8
 PROMPT = torch.tensor([1, 5, 2, 7, 3])
@@ -165,7 +165,7 @@ N_STEP = 20_000
 def _first_tokens(draft_fn, n=N_STEP) -> torch.Tensor:
     """Counts ``[6]`` of the first emitted token over ``n`` one-step verifications against a
     context-free verifier ``P_STEP``."""
-    from infer.accept import sample_accept
+    from infer.core.accept import sample_accept
 
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(len(P_STEP))
@@ -177,7 +177,7 @@ def _first_tokens(draft_fn, n=N_STEP) -> torch.Tensor:
 
 
 def _step_cost():
-    from infer.cost import VerifyCost
+    from infer.core.cost import VerifyCost
 
     return VerifyCost((1, 2, 3, 4, 8), (1.0, 1.25, 1.6, 2.2, 4.0))
 
@@ -198,7 +198,7 @@ def test_a_budget_chosen_from_drawn_tokens_is_caught():
     """Negative control: children *drawn* from q (Gumbel-top-k, with their real q), then as many
     kept as their drawn probabilities pay for, as the engine did before: the kept set depends on
     the drawn values, and the same test rejects it."""
-    from infer.tree import best_budget
+    from infer.core.tree import best_budget
 
     cost = _step_cost()
 
@@ -223,8 +223,8 @@ def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model)
     """The EAGLE drafter's real path (tree growth, calibration, the cost budget, the pause when
     drafting does not pay) on a tiny model, 20,000 three-token samples, against the exact joint."""
     from heads import HeadConfig, VerifierSpec, build_head
-    from infer.cost import VerifyCost
-    from infer.head_drafters import EagleDrafter
+    from infer.core.cost import VerifyCost
+    from infer.drafting.head_drafters import EagleDrafter
 
     m = small_vocab_model
     cfg = HeadConfig("eagle3", VerifierSpec.of(m), draft_vocab_size=V, aux_layers=(0, 1, 2), layer_config=m.config.to_dict())
@@ -264,16 +264,18 @@ def exact_joint_n(model, n: int, temperature: float = 1.0) -> torch.Tensor:
 @pytest.mark.slow
 def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypatch):
     """``auto``'s union (an EAGLE-3 head and prompt lookup) with depth-3 dynamic trees, pruning,
-    the gate and an :class:`~infer.cost.OnlineCost` that the engine feeds every verify step (its
+    the gate and an :class:`~infer.core.cost.OnlineCost` that the engine feeds every verify step (its
     clock replaced by a fixed function of the node count, so that the machine's load cannot
     change which trees are drafted), 8,000 five-token samples against the exact joint of five
     tokens: the second step may verify three drafted levels. The gate starts each generation at
     an average gain of 1.0 instead of 1.2, so that one losing step pauses the head: in five tokens
     the shipped start pauses only on rare samples, and the paused path must be sampled too."""
     from heads import HeadConfig, VerifierSpec, build_head
-    from infer.cost import OnlineCost, VerifyCost
-    from infer.drafters import Gate, PromptLookupDrafter, UnionDrafter
-    from infer.head_drafters import EagleDrafter
+    from infer.core.cost import OnlineCost, VerifyCost
+    from infer.drafting.gate import Gate
+    from infer.drafting.head_drafters import EagleDrafter
+    from infer.drafting.lookup import PromptLookupDrafter
+    from infer.drafting.union import UnionDrafter
 
     monkeypatch.setattr(Gate, "new", classmethod(lambda cls, device=None, start=1.0: cls(float(start))))
 

@@ -2,7 +2,7 @@
 
 import json
 
-from infer.cli import main
+from infer.tools.cli import main
 
 
 def test_selfcheck_small_runs_every_part_and_writes_json_and_png(tmp_path, capsys):

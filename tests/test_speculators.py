@@ -21,8 +21,8 @@ from heads import CheckpointError, Eagle3Head, load_head
 from heads.interop import SPECULATORS_VERSION, detect_format, export_speculators
 from heads.masks import causal_mask
 from infer import generate, load_drafter
-from infer.cli import main
-from infer.models import tiny_random_model
+from infer.core.models import tiny_random_model
+from infer.tools.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
 sys.path.insert(0, str(FIXTURES))
@@ -76,7 +76,7 @@ def test_head_saved_by_speculators_drafts_through_load_drafter(model):
 
 
 def test_head_saved_by_speculators_through_generate_draft_dir(model, tmp_path, capsys):
-    from infer.models import byte_tokenizer
+    from infer.core.models import byte_tokenizer
 
     model.save_pretrained(tmp_path / "verifier")
     byte_tokenizer().save_pretrained(tmp_path / "verifier")
@@ -176,7 +176,7 @@ def test_live_speculators_round_trip(model, tmp_path):
 def test_export_cli_writes_the_verifier_it_loads(model, tmp_path, capsys):
     """`specheads export --format speculators` loads the verifier (its embedding; the head is checked
     against it) and names it in speculators_config.verifier."""
-    from infer.models import byte_tokenizer
+    from infer.core.models import byte_tokenizer
 
     vdir = tmp_path / "verifier"
     model.save_pretrained(vdir)

@@ -1,11 +1,11 @@
-"""Streaming text: the pieces of :class:`infer.text.StreamDecoder` join into the full decoded
+"""Streaming text: the pieces of :class:`infer.core.text.StreamDecoder` join into the full decoded
 text, a character split over tokens waits for its last byte, and each step decodes a short
 window only (the old loops re-decoded the whole output at every step)."""
 
 import pytest
 
-from infer.models import byte_tokenizer
-from infer.text import StreamDecoder
+from infer.core.models import byte_tokenizer
+from infer.core.text import StreamDecoder
 
 TEXT = "Grüße aus Köln 🚀 — naïve café, 東京 and ASCII tail. " * 6
 
@@ -57,7 +57,7 @@ def test_speculator_streams_through_short_windows(llama):
     import torch
 
     from infer import Speculator
-    from infer.drafters import NoDrafter
+    from infer.core.drafter import NoDrafter
 
     class Delegating(CountingTokenizer):
         def __getattr__(self, name):

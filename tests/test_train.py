@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from infer import generate
-from infer.head_drafters import load_head_drafter
-from infer.models import load_verifier
+from infer.core.models import load_verifier
+from infer.drafting.head_drafters import load_head_drafter
 from train.config import ConfigError, load_config
 from train.data import distill, load_prompts, load_records, record_source
 from train.train_heads import train
@@ -113,7 +113,7 @@ def test_length_windows_sort_within_windows_only():
 
 
 def test_bf16_autocast_on_a_cpu_without_native_bf16_is_warned_about(monkeypatch):
-    import infer.head_drafters as hd
+    import infer.drafting.head_drafters as hd
     from train.train_heads import slow_autocast_warning
 
     cpu = torch.device("cpu")
@@ -265,7 +265,7 @@ def test_cli_recipe_trains_a_head_that_generate_loads(tmp_path):
     assert gen.returncode == 0, gen.stderr[-2000:]
     spec = json.loads(gen.stdout)
     lv = load_verifier("tiny-random:llama")
-    from infer.text import encode_prompt
+    from infer.core.text import encode_prompt
 
     ids = encode_prompt(lv.tokenizer, "Repeat: one two three one two three")
     plain = generate(lv.model, None, ids, max_new_tokens=40, eos_token_id=lv.tokenizer.eos_token_id)
@@ -344,7 +344,7 @@ def test_multi_turn_distillation_answers_each_turn_in_its_own_context(tmp_path):
     (a run of 1s in the loss mask) is the verifier's greedy continuation of everything before it."""
     import itertools
 
-    from infer.text import eos_ids
+    from infer.core.text import eos_ids
 
     lv = load_verifier("tiny-random:llama")
     (tmp_path / "p.jsonl").write_text('{"id": "mt-1", "turns": ["say hi", "and again", "a third"]}\n'

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.cli import _run, main
+from infer.tools.cli import _run, main
 from train.config import ConfigError, load_config
 from train.train_heads import main as train_main
 
@@ -91,10 +91,10 @@ def test_missing_config_file(tmp_path, capsys):
 ])
 def test_specheads_train_refuses_before_launching(tmp_path, capsys, monkeypatch, args, message):
     """Checked in a child process (infer never imports train) before `accelerate launch`."""
-    import infer.cli
+    import infer.tools.cli
 
     launched = []
-    monkeypatch.setattr(infer.cli, "_run", lambda cmd, **kw: launched.append(cmd) or 0)
+    monkeypatch.setattr(infer.tools.cli, "_run", lambda cmd, **kw: launched.append(cmd) or 0)
     config = [] if "--config" in args else ["--config", str(RECIPE)]
     assert main(["train", *config, *args, f"output_dir={tmp_path / 'o'}"]) == 2
     err = capsys.readouterr().err

@@ -8,11 +8,11 @@ from transformers import DynamicCache
 
 from conftest import VOCAB, hf_greedy
 from infer import generate
-from infer.errors import UserError
-from infer.models import tiny_random_model
-from infer.selfcheck import OracleDrafter
-from infer.tree import build_tree
-from infer.verifier import ReservedCache, ReservedLayer, Verifier
+from infer.core.errors import UserError
+from infer.core.models import tiny_random_model
+from infer.core.tree import build_tree
+from infer.core.verifier import ReservedCache, ReservedLayer, Verifier
+from infer.tools.selfcheck import OracleDrafter
 
 
 @st.composite

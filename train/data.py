@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from infer.prompts import read_prompts
-from infer.text import encode_prompt, eos_ids
+from infer.core.text import encode_prompt, eos_ids
+from infer.tools.prompts import read_prompts
 from train.datafile import (  # noqa: F401 - write_header / make_header: prepend a header to older data
     DataError,
     check_output_name,
@@ -115,7 +115,7 @@ def _generate(model, seqs: list[list[int]], pad: int, eos: list[int], max_new_to
     seqs: B lists of token ids -> B lists of at most ``max_new_tokens`` new token ids."""
     from transformers import DynamicCache
 
-    from infer.verifier import cache_keyword
+    from infer.core.verifier import cache_keyword
 
     device = next(model.parameters()).device
     width = max(len(e) for e in seqs)

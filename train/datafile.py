@@ -175,7 +175,7 @@ def scan_prompt_file(path: str | Path) -> None:
     """Refuse a prompt file that cannot be distilled, before any model loads: not a regular file,
     over :data:`MAX_PROMPT_FILE_BYTES`, a line over :data:`MAX_LINE_BYTES`, not UTF-8, or a
     string holding a lone surrogate (``"\\ud800"`` is valid JSON but no character). Other
-    problems are :func:`infer.prompts.read_prompts`'s to name."""
+    problems are :func:`infer.tools.prompts.read_prompts`'s to name."""
     path = Path(path)
     for no, line, _ in iter_lines(path, "prompt file", max_total=_limit("MAX_PROMPT_FILE_BYTES")):
         try:

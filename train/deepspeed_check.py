@@ -100,7 +100,7 @@ def losses(out: Path) -> list[float]:
 
 def generate_check(head_dir: Path, prompt: str = "Repeat: one two three one two three") -> tuple[bool, float]:
     """``specheads generate --draft head_dir --compare`` on the tiny verifier: (identical, tau)."""
-    cmd = [sys.executable, "-m", "infer.cli", "generate", "--verifier", "tiny-random:llama", "--draft", str(head_dir),
+    cmd = [sys.executable, "-m", "infer.tools.cli", "generate", "--verifier", "tiny-random:llama", "--draft", str(head_dir),
            "--prompt", prompt, "--max-new-tokens", "40", "--json", "--tree-budget", "fixed", "--compare"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:

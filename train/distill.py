@@ -37,7 +37,7 @@ def _stop_on_sigterm(signum, frame):
 def prompts_of_sources(prompts: list, sources: list[str]) -> list:
     """The prompts whose id names one of ``sources`` (:func:`train.data.record_source`), in order;
     a source none of ``prompts`` comes from is refused by name (a typo would distil nothing)."""
-    from infer.errors import UserError
+    from infer.core.errors import UserError
 
     there = {record_source(q.id) for q in prompts}
     unknown = [x for x in sources if x not in there]
@@ -72,13 +72,13 @@ def main(argv=None) -> int:
                         "existed, and stop (no --prompts; stop any run still writing it first)")
     args = p.parse_args(argv)
     if os.environ.get("SPECHEADS_DIE_WITH_PARENT"):  # run by `specheads distill`: end with it
-        from infer.procs import die_with_parent
+        from infer.tools.procs import die_with_parent
 
         die_with_parent()
-    from infer.errors import UserError
-    from infer.files import check_output_file
-    from infer.models import load_verifier, resolve_device
-    from infer.params import SamplingParams
+    from infer.core.errors import UserError
+    from infer.core.models import load_verifier, resolve_device
+    from infer.core.params import SamplingParams
+    from infer.tools.files import check_output_file
     from train.datafile import (
         DataError,
         check_output_name,

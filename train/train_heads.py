@@ -308,7 +308,7 @@ def slow_autocast_warning(device: torch.device, mixed_precision: str) -> str | N
     products: torch then runs the head's bf16 matrix products in a slow fallback (one thread;
     BENCHMARKS.md, session 25: a training step of the default head ~29x slower than float32 on a
     2-core AVX2 CPU)."""
-    from infer.head_drafters import cpu_has_fast_bf16
+    from infer.drafting.head_drafters import cpu_has_fast_bf16
 
     if device.type != "cpu" or mixed_precision != "bf16" or cpu_has_fast_bf16():
         return None
@@ -320,7 +320,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from infer.models import load_verifier
+    from infer.core.models import load_verifier
     from train.datafile import DataError, check_data_source, headerless_message, lock_dir, scan_output
 
     out = Path(cfg.output_dir)
@@ -580,10 +580,10 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     args = parser.parse_args(argv)
     if os.environ.get("SPECHEADS_DIE_WITH_PARENT"):  # run by `specheads train`: end with it
-        from infer.procs import die_with_parent
+        from infer.tools.procs import die_with_parent
 
         die_with_parent()
-    from infer.errors import UserError
+    from infer.core.errors import UserError
     from train.datafile import DataError, probe_dir_lock
 
     try:

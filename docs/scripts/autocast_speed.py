@@ -20,8 +20,8 @@ from contextlib import nullcontext
 import torch
 
 from heads.loading import load_head
-from infer.head_drafters import cpu_has_fast_bf16
-from infer.models import load_verifier
+from infer.core.models import load_verifier
+from infer.drafting.head_drafters import cpu_has_fast_bf16
 from train.data import Record, collate
 from train.features import compute_features
 from train.losses import eagle3_loss

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from infer.models import load_verifier  # noqa: E402
-from infer.text import encode_prompt, eos_ids  # noqa: E402
+from infer.core.models import load_verifier  # noqa: E402
+from infer.core.text import encode_prompt, eos_ids  # noqa: E402
 from train.data import _generate, iter_records, length_sorted, load_prompts  # noqa: E402
 
 

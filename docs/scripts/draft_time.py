@@ -1,18 +1,22 @@
 """Draft time per verify step of the shipped EAGLE-3 head (fixed 16-node eagle2 trees), for
 whichever specheads is on sys.path first: run once with the old code, once with the new."""
-import json, sys, time, torch
-from infer.models import load_verifier
-from infer.text import encode_prompt, eos_ids
+import json
+
+import torch
+
 from infer import generate
-from infer.tree import load_tree_spec
+from infer.core.models import load_verifier
+from infer.core.text import encode_prompt, eos_ids
+from infer.core.tree import load_tree_spec
+
 lv = load_verifier("default")
 tree = load_tree_spec("eagle2-16")
 try:
-    from infer.loading import load_drafter
+    from infer.drafting.loading import load_drafter
     drafter = load_drafter("default", lv.model, tree=tree, budget="fixed")
     which = "new"
 except ImportError:
-    from infer.cli import make_drafter
+    from infer.tools.cli import make_drafter
     drafter = make_drafter("default", tree, lv.model, "fixed")
     which = "old"
 prompts = [json.loads(l)["turns"][0] for l in open("../shared/data/spec_bench.jsonl")][::80][:6]

@@ -11,12 +11,12 @@ import math
 import random
 import sys
 
-from infer.bench import run_bench
-from infer.drafters import Gate, Gates
-from infer.head_drafters import EagleDrafter
-from infer.loading import load_drafter
-from infer.models import load_verifier
-from infer.prompts import read_prompts
+from infer.core.models import load_verifier
+from infer.drafting.gate import Gate, Gates
+from infer.drafting.head_drafters import EagleDrafter
+from infer.drafting.loading import load_drafter
+from infer.tools.bench import run_bench
+from infer.tools.prompts import read_prompts
 
 
 class ProbeWindow(Gate):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from tree_costs import SIZES, chain_pass_times  # this script's folder is first on sys.path
 
-from infer.models import load_verifier
-from infer.verifier import Verifier
+from infer.core.models import load_verifier
+from infer.core.verifier import Verifier
 
 
 class PackedLinear(TorchFunctionMode):

@@ -69,8 +69,8 @@ def main() -> int:
 
     from heads import load_head
     from heads.interop import export_speculators
-    from infer.models import load_verifier
-    from infer.text import encode_prompt
+    from infer.core.models import load_verifier
+    from infer.core.text import encode_prompt
 
     lv = load_verifier("default")
     model = lv.model

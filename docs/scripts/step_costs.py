@@ -15,10 +15,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from infer.kernels import OneDNNLinear
-from infer.models import load_verifier
-from infer.tree import build_tree
-from infer.verifier import Verifier
+from infer.core.kernels import OneDNNLinear
+from infer.core.models import load_verifier
+from infer.core.tree import build_tree
+from infer.core.verifier import Verifier
 
 ROUNDS = 250
 PREFILLS = 5

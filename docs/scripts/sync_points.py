@@ -1,4 +1,4 @@
-"""Sync points per verify step, by drafter, counted at the dispatch level (infer.diagnostics).
+"""Sync points per verify step, by drafter, counted at the dispatch level (infer.core.diagnostics).
 
     PYTHONPATH=. python docs/scripts/sync_points.py --verifier default --prompts 3 --max-new-tokens 64
     PYTHONPATH=. python docs/scripts/sync_points.py --verifier tiny
@@ -21,13 +21,14 @@ import torch
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from infer import stream
-from infer.diagnostics import HostReadCounter
-from infer.drafters import PromptLookupDrafter, UnionDrafter
-from infer.head_drafters import EagleDrafter
-from infer.loading import load_drafter
-from infer.models import load_verifier
-from infer.text import encode_prompt, eos_ids
-from infer.tree import DynamicTreeSpec
+from infer.core.diagnostics import HostReadCounter
+from infer.core.models import load_verifier
+from infer.core.text import encode_prompt, eos_ids
+from infer.core.tree import DynamicTreeSpec
+from infer.drafting.head_drafters import EagleDrafter
+from infer.drafting.loading import load_drafter
+from infer.drafting.lookup import PromptLookupDrafter
+from infer.drafting.union import UnionDrafter
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,12 +1,16 @@
 """Temperature 1.0: predicted against observed acceptance of the head's depth-1 drafts, per step."""
-import json, sys, torch
-from infer.models import load_verifier
-from infer.head_drafters import EagleDrafter
-from infer.text import encode_prompt, eos_ids
-from infer.verifier import Verifier
-from infer.accept import warp_probs, sample_accept
+import json
+import sys
+
+import torch
+
 from heads import load_head
-from infer.tree import DynamicTreeSpec
+from infer.core.accept import sample_accept, warp_probs
+from infer.core.models import load_verifier
+from infer.core.text import encode_prompt
+from infer.core.tree import DynamicTreeSpec
+from infer.core.verifier import Verifier
+from infer.drafting.head_drafters import EagleDrafter
 
 lv = load_verifier("default")
 head_path = sys.argv[1] if len(sys.argv) > 1 else "default"

@@ -1,4 +1,4 @@
-"""What one verify pass of an n-node chain costs the default verifier through ``infer.verifier``
+"""What one verify pass of an n-node chain costs the default verifier through ``infer.core.verifier``
 (for whichever specheads is first on sys.path: run it once per commit, in turn, nothing else
 running), against a one-node pass: the relative cost the gate and prompt lookup weigh drafts by.
 
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from infer.models import load_verifier
-from infer.tree import build_tree
-from infer.verifier import Verifier
+from infer.core.models import load_verifier
+from infer.core.tree import build_tree
+from infer.core.verifier import Verifier
 
 SIZES = (1, 2, 4, 8, 16)
 

@@ -24,12 +24,13 @@ from heads import Eagle3Head, MedusaHeads, load_head
 from heads.masks import additive_mask
 from heads.modules import DraftHead
 
-from .cost import cost_summary, has_timing
-from .drafters import Draft, Drafter, Gates, accepted_on_host, root_only
-from .errors import UserError
-from .kernels import median_seconds
-from .tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
-from .verifier import ReservedCache, crop_cache
+from ..core.cost import cost_summary, has_timing
+from ..core.drafter import Draft, Drafter, root_only
+from ..core.errors import UserError
+from ..core.kernels import median_seconds
+from ..core.tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
+from ..core.verifier import ReservedCache, crop_cache
+from .gate import Gates, accepted_on_host
 
 
 def _verifier_place(verifier_model) -> tuple[torch.device, torch.dtype]:
@@ -141,7 +142,7 @@ class EagleDrafter(Drafter):
     pairs it has not seen (one batched pass), then runs it once per tree depth on the frontier
     nodes, with a tree mask over its cache built on the device from the tree's tensors.
 
-    ``cost`` (an :class:`~infer.cost.OnlineCost` or a fixed curve) sizes each tree; with
+    ``cost`` (an :class:`~infer.core.cost.OnlineCost` or a fixed curve) sizes each tree; with
     ``adaptive``, the head's confidences are calibrated against what is accepted and drafting
     pauses while it does not pay (see :class:`Calibration`, :class:`Gate`). ``prune=False``
     drafts every depth (for tests). ``dtype``: what the head computes in (default: the

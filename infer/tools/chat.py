@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import stream
-from .errors import UserError
-from .text import StreamDecoder, eos_ids
+from ..core.engine import stream
+from ..core.errors import UserError
+from ..core.text import StreamDecoder, eos_ids
 
 HELP = "commands: /reset (new conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
 
@@ -43,8 +43,8 @@ class ChatSession:
     def check_turn(self, user_text: str) -> None:
         """A :class:`UserError` when ``user_text`` cannot be sent: not valid text, or the history
         with it plus ``max_new_tokens`` beyond the verifier's context (``/reset`` starts afresh)."""
-        from .text import check_text
-        from .verifier import check_fits
+        from ..core.text import check_text
+        from ..core.verifier import check_fits
 
         check_text(user_text, "this message")
         self.messages.append({"role": "user", "content": user_text})

@@ -5,7 +5,7 @@ for this verifier together with prompt lookup; else prompt lookup), ``pld``, ``n
 of a shipped head (``default``), a head checkpoint (directory or Hub id), or several joined by
 ``+`` (their drafts are verified as one trie). With ``budget="auto"`` each drafter sizes its
 drafts by the verifier's cost curve: a short probe at load, then the times the engine measures
-at every step (:class:`~infer.cost.OnlineCost`).
+at every step (:class:`~infer.core.cost.OnlineCost`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import logging
 import os
 from pathlib import Path
 
-from .cost import OnlineCost, VerifyCost, measure_verify_cost
-from .drafters import Drafter, NoDrafter, PromptLookupDrafter, UnionDrafter
-from .errors import UserError
-from .tree import StaticTreeSpec, TreeSpec
+from ..core.cost import OnlineCost, VerifyCost, measure_verify_cost
+from ..core.drafter import Drafter, NoDrafter
+from ..core.errors import UserError
+from ..core.tree import StaticTreeSpec, TreeSpec
+from .lookup import PromptLookupDrafter
+from .union import UnionDrafter
 
 log = logging.getLogger("specheads")
 
@@ -91,8 +93,8 @@ def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str 
     ``tree`` shapes the first drafter; under ``auto``, the first one that grows that kind of tree
     (prompt lookup grows any). ``budget``: ``auto`` sizes drafts by the measured cost curve,
     ``fixed`` uses the tree's node count. ``draft_dtype``: what EAGLE heads compute in
-    (:func:`~infer.head_drafters.draft_dtype`). ``linear``: the verifier's kernel that the cost
-    probe measures (:mod:`infer.kernels`; pass the one the engine's verifier runs). A head
+    (:func:`~infer.drafting.head_drafters.draft_dtype`). ``linear``: the verifier's kernel that the cost
+    probe measures (:mod:`infer.core.kernels`; pass the one the engine's verifier runs). A head
     trained for another verifier is refused."""
     if budget not in ("auto", "fixed"):
         raise UserError(f"budget must be 'auto' or 'fixed', not {budget!r}")

@@ -146,7 +146,7 @@ class Verifier:
         feature_layers: indices into HF's ``hidden_states`` tuple that drafters need
             (0 = embeddings, ``i`` = output of decoder layer ``i``, -1 = final normed output).
         linear: the kernel of its float32 CPU linear layers (``auto``, ``stock``, ``onednn``, ``hybrid``;
-            see :mod:`infer.kernels`): small-row products, what tree verification runs, are
+            see :mod:`infer.core.kernels`): small-row products, what tree verification runs, are
             several times faster on oneDNN than on MKL on some CPUs. ``self.kernel`` tells the choice.
     """
 

@@ -10,7 +10,7 @@ With a cost curve, the chain is cut where a longer one stops paying: the depth `
 maximises ``(1 + sum_j prod_{i<=j} p_i) / cost(d + 1)``, ``p_i`` the head's top-1 probability at
 position ``i`` (one read per step, of those probabilities and the chain's tokens; without a cost
 curve, none). With a cost curve that has a seconds-per-token scale (the engine's online cost),
-the same :class:`~infer.drafters.Gate` as EAGLE's pauses drafting, head pass included,
+the same :class:`~infer.drafting.gate.Gate` as EAGLE's pauses drafting, head pass included,
 while the chains it drafts do not pay for their verify and drafting time: a head that is rarely
 accepted then costs one probe every few dozen steps instead of a pass every step.
 """
@@ -24,17 +24,18 @@ import torch
 from heads.dflash import DFlashHead
 from heads.masks import additive_mask
 
-from .cost import cost_summary, has_timing
-from .drafters import Draft, Drafter, Gates, accepted_on_host, root_only
-from .tree import DynamicTreeSpec, build_tree
-from .verifier import ReservedCache, crop_cache
+from ..core.cost import cost_summary, has_timing
+from ..core.drafter import Draft, Drafter, root_only
+from ..core.tree import DynamicTreeSpec, build_tree
+from ..core.verifier import ReservedCache, crop_cache
+from .gate import Gates, accepted_on_host
 
 
 class BlockDrafter(Drafter):
     """Drafts with a :class:`~heads.dflash.DFlashHead` (see the module docstring).
 
     ``tree``: only its ``depth`` is used (the longest chain; default ``block_size - 1``).
-    ``cost``: a verify-cost curve (:mod:`infer.cost`) that sizes each chain, or None (full
+    ``cost``: a verify-cost curve (:mod:`infer.core.cost`) that sizes each chain, or None (full
     depth). ``adaptive``: pause while drafting does not pay (needs an online cost). ``dtype``:
     what the head computes in (default: the verifier's)."""
 

@@ -18,7 +18,7 @@ Parts (``--parts``, default all):
   ``tau x T(1) / T(n)`` from the verify-cost curve measured in the same run; a random EAGLE-3 head
   on ``eagle2-32`` and on a 60-node tree (draft ms against verify ms per step); for every engine
   run, the sync points per verify step counted at the dispatch level
-  (:class:`~infer.diagnostics.HostReadCounter`) and, on CUDA, the warnings of one decoding loop
+  (:class:`~infer.core.diagnostics.HostReadCounter`) and, on CUDA, the warnings of one decoding loop
   under ``torch.cuda.set_sync_debug_mode("warn")`` (``cuda_sync_warnings``); the verify-cost
   curve for 1..128 nodes at two prefix lengths.
 * ``cli``: the command line end to end on ``random:smollm2-135m`` (``--small``:
@@ -41,8 +41,9 @@ from pathlib import Path
 
 import torch
 
-from .drafters import Draft, Drafter, PromptLookupDrafter, root_only
-from .tree import build_tree
+from ..core.drafter import Draft, Drafter, root_only
+from ..core.tree import build_tree
+from ..drafting.lookup import PromptLookupDrafter
 
 
 class OracleDrafter(Drafter):
@@ -155,10 +156,10 @@ def _random_eagle3(model, draft_vocab: int, seed: int = 0):
 
 
 def part_identity(device: torch.device, small: bool) -> dict:
-    from .engine import generate
-    from .head_drafters import EagleDrafter
-    from .models import TINY_ARCHS, tiny_random_model
-    from .tree import DynamicTreeSpec
+    from ..core.engine import generate
+    from ..core.models import TINY_ARCHS, tiny_random_model
+    from ..core.tree import DynamicTreeSpec
+    from ..drafting.head_drafters import EagleDrafter
 
     n_prompts, n_new = (2, 16) if small else (4, 48)
     out = {}
@@ -194,8 +195,8 @@ def _cpu_generator_sampling(device: torch.device) -> bool:
     """Sampling with a user's CPU ``generator=`` on ``device`` (on CUDA this once crashed): two
     runs from equal generator states give the same tokens, and unseeded sampling leaves the
     global generator as it was."""
-    from .engine import generate
-    from .models import tiny_random_model
+    from ..core.engine import generate
+    from ..core.models import tiny_random_model
 
     model = tiny_random_model("llama", vocab_size=256, seed=1).to(device)
     ids = torch.arange(1, 17) % 7
@@ -207,13 +208,13 @@ def _cpu_generator_sampling(device: torch.device) -> bool:
 
 
 def part_speed(device: torch.device, small: bool, record) -> dict:
-    from .cost import VerifyCost, measure_verify_cost
-    from .diagnostics import HostReadCounter
-    from .drafters import NoDrafter
-    from .engine import generate
-    from .head_drafters import EagleDrafter
-    from .models import random_model
-    from .tree import DynamicTreeSpec
+    from ..core.cost import VerifyCost, measure_verify_cost
+    from ..core.diagnostics import HostReadCounter
+    from ..core.drafter import NoDrafter
+    from ..core.engine import generate
+    from ..core.models import random_model
+    from ..core.tree import DynamicTreeSpec
+    from ..drafting.head_drafters import EagleDrafter
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if small:
@@ -284,7 +285,7 @@ def part_speed(device: torch.device, small: bool, record) -> dict:
 def _cli(args: list[str], timeout: int, env=None) -> dict:
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run([sys.executable, "-m", "infer.tools.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"rc": "timeout", "s": round(time.perf_counter() - t0, 1)}
     return {"rc": p.returncode, "s": round(time.perf_counter() - t0, 1), "tail": (p.stdout[-600:] + "\n" + p.stderr[-900:]).strip()}
@@ -388,7 +389,7 @@ def run_selfcheck(device: str, out: str | Path, *, small: bool = False, parts=("
     """Run the parts, writing ``out/selfcheck.json`` after each; returns the results."""
     from heads.io import write_atomic
 
-    from .models import resolve_device
+    from ..core.models import resolve_device
 
     dev = resolve_device(device)
     out = Path(out)

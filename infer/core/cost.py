@@ -39,6 +39,9 @@ class VerifyCost:
                 return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
         raise AssertionError("unreachable")
 
+    def observe(self, nodes: int, seconds: float) -> None:
+        """A fixed curve learns nothing from a timed pass (the :class:`OnlineCost` interface)."""
+
     def table(self, n_max: int, device=None) -> torch.Tensor:
         """``[n_max + 1]``: ``self(max(n, 1))`` for ``n = 0..n_max``, on ``device`` (cached)."""
         return _table(self, n_max, str(device or "cpu"))
@@ -163,7 +166,7 @@ def cost_summary(cost, nodes=(2, 4, 8, 16, 32)) -> dict | None:
 def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int = 256, repeats: int = 7,
                         linear: str = "auto") -> dict:
     """Median wall time of one verify pass over ``n`` tree nodes after a ``prefix_len`` prefix,
-    for each ``n`` in ``nodes``, on the ``linear`` kernel (:mod:`infer.kernels`); returns
+    for each ``n`` in ``nodes``, on the ``linear`` kernel (:mod:`infer.core.kernels`); returns
     ``{"seconds": {n: s}, "relative": {n: s / s(1)}, "kernel": ...}``."""
     from .tree import build_tree
     from .verifier import Verifier

@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from ..core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ MAX_PROMPT_LINE_CHARS = 16 << 20
 
 def check_text(text: str, what: str) -> None:
     """A :class:`UserError` when ``text`` holds a lone surrogate (valid JSON, not valid Unicode)."""
-    from .text import check_text as check
+    from ..core.text import check_text as check
 
     check(text, what)
 

@@ -12,7 +12,7 @@ import json
 import re
 import sys
 
-from .errors import UserError
+from ..core.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,13 +132,13 @@ def bench_drafts(text: str) -> list[tuple[str, str | None]]:
 
 
 def _tree(args):
-    from .tree import load_tree_spec
+    from ..core.tree import load_tree_spec
 
     return load_tree_spec(args.tree) if args.tree else None
 
 
 def _params(args, **kw):
-    from .params import SamplingParams
+    from ..core.params import SamplingParams
 
     return SamplingParams(max_new_tokens=args.max_new_tokens, **kw)
 
@@ -153,8 +153,8 @@ def _check_prompt_text(text: str) -> None:
 def _load(args, text_for: str | None = None, check=None):
     """The verifier, after checking the device (a bad --device fails before any loading); with
     ``text_for`` (what needs text), a verifier without a tokenizer is a user error. ``check``: see
-    :func:`~infer.models.load_verifier` (runs before the weights load where it can)."""
-    from . import models
+    :func:`~infer.core.models.load_verifier` (runs before the weights load where it can)."""
+    from ..core import models
 
     models.resolve_device(args.device)
     kw = {"check": check} if check is not None else {}
@@ -166,21 +166,21 @@ def _load(args, text_for: str | None = None, check=None):
 
 def _check_drafts(*specs: str) -> None:
     """Every --draft spec, checked before any model loads (names, paths, 'none' combined, twice)."""
-    from .loading import draft_parts
+    from ..drafting.loading import draft_parts
 
     for spec in specs:
         draft_parts(spec, None)
 
 
 def _fits_context(texts, chat, max_new_tokens: int, what):
-    """A ``check(config, tokenizer)`` for :func:`~infer.models.load_verifier`: each prompt of
+    """A ``check(config, tokenizer)`` for :func:`~infer.core.models.load_verifier`: each prompt of
     ``texts`` (encoded as generation will) plus ``max_new_tokens`` fits the verifier's context
     (a one-line error naming ``what(i)`` otherwise)."""
     def check(config, tokenizer):
         if tokenizer is None:
             return  # refused after loading: the command needs text
-        from .text import encode_prompt
-        from .verifier import check_fits
+        from ..core.text import encode_prompt
+        from ..core.verifier import check_fits
 
         for i, text in enumerate(texts):
             check_fits(config, encode_prompt(tokenizer, text, chat=chat).numel() + max_new_tokens,
@@ -189,21 +189,21 @@ def _fits_context(texts, chat, max_new_tokens: int, what):
 
 
 def _drafter(args, draft: str, model, tree, linear: str | None = None):
-    from .loading import load_drafter
+    from ..drafting.loading import load_drafter
 
     return load_drafter(draft, model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype,
                         linear=linear or args.linear)
 
 
 def _verifier(args, model):
-    from .verifier import Verifier
+    from ..core.verifier import Verifier
 
     return Verifier(model, linear=args.linear)
 
 
 def bench_kernels(text: str) -> list[str]:
     """``--linear`` of bench: comma-separated kernels, each once (checked: a one-line UserError)."""
-    from .kernels import KERNELS
+    from ..core.kernels import KERNELS
 
     out = [k.strip() for k in text.split(",") if k.strip()]
     if not out or len(set(out)) != len(out) or any(k not in KERNELS for k in out):
@@ -212,8 +212,8 @@ def bench_kernels(text: str) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    from .engine import stream
-    from .text import StreamDecoder, encode_prompt, eos_ids
+    from ..core.engine import stream
+    from ..core.text import StreamDecoder, encode_prompt, eos_ids
 
     params = _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                      acceptance=args.acceptance)
@@ -279,8 +279,8 @@ def _compare(lv, ids, tokens, stats, args) -> None:
 
     import torch
 
+    from ..core.text import eos_ids
     from .bench import hf_generate
-    from .text import eos_ids
 
     sampling = args.temperature > 0
     devices = [lv.model.device] if lv.model.device.type == "cuda" else []
@@ -308,11 +308,11 @@ def cmd_bench(args) -> int:
 
     from heads.io import write_atomic
 
+    from ..core.cost import measure_verify_cost
+    from ..core.tree import load_tree_spec
     from .bench import add_efficiency, check_methods, environment, plot_results, run_bench
-    from .cost import measure_verify_cost
     from .files import check_not_input, check_output_file
     from .prompts import MT_BENCH_GROUP, read_prompts
-    from .tree import load_tree_spec
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     check_methods(methods, args.temperature)
@@ -444,7 +444,7 @@ def cmd_export(args) -> int:
         elif args.format == "speculators":  # the verifier is loaded for its token embedding (and checked against the head)
             from heads.interop import export_speculators
 
-            from .models import DEFAULT_HUB_ID, load_verifier
+            from ..core.models import DEFAULT_HUB_ID, load_verifier
 
             name = args.verifier or head.config.verifier.name
             model = load_verifier(name).model
@@ -459,7 +459,7 @@ def cmd_export(args) -> int:
                       "as the target)", file=sys.stderr)
             verifier = None
             if head.config.head_type == "medusa" and head.lm_heads is None:
-                from .models import load_verifier
+                from ..core.models import load_verifier
 
                 verifier = load_verifier(args.verifier or head.config.verifier.name).model
             out = export_medusa(head, args.out, verifier, dtype=dtype, overwrite=args.force)
@@ -474,7 +474,7 @@ MAX_COST_REPEATS = 1000
 
 
 def cmd_cost(args) -> int:
-    from .cost import measure_verify_cost
+    from ..core.cost import measure_verify_cost
 
     try:
         nodes = tuple(int(n) for n in args.nodes.split(","))
@@ -482,7 +482,7 @@ def cmd_cost(args) -> int:
         raise UserError(f"--nodes must be comma-separated integers, not {args.nodes!r}") from None
     if not nodes or min(nodes) < 1 or args.prefix_len < 1 or args.repeats < 1:
         raise UserError("--nodes, --prefix-len and --repeats must be positive")
-    from .tree import MAX_TREE_NODES
+    from ..core.tree import MAX_TREE_NODES
 
     for what, value, limit in (("--nodes", max(nodes), MAX_TREE_NODES), ("--prefix-len", args.prefix_len, MAX_COST_PREFIX),
                                ("--repeats", args.repeats, MAX_COST_REPEATS)):
@@ -508,7 +508,7 @@ def _run(cmd: list[str], *, launcher: bool = False) -> int:
     instead of accelerate's 1.
 
     The child imports this package whatever the working directory, and ends with this process
-    (:mod:`infer.procs`: a kill of the command, even SIGKILL, ends the child)."""
+    (:mod:`infer.tools.procs`: a kill of the command, even SIGKILL, ends the child)."""
     import subprocess
 
     from .procs import child_env, exit_status, forward_signals, preexec_die_with_parent
@@ -602,8 +602,8 @@ def cmd_push(args) -> int:
 
 
 def cmd_selfcheck(args) -> int:
+    from ..core.models import resolve_device
     from .files import check_output_dir
-    from .models import resolve_device
     from .selfcheck import run_selfcheck
 
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
@@ -627,7 +627,7 @@ def main(argv=None) -> int:
                 "push": cmd_push, "export": cmd_export, "selfcheck": cmd_selfcheck}
     try:
         if hasattr(args, "linear"):  # a CPU kernel for a GPU run: refused before anything else
-            from .kernels import check_kernel_device
+            from ..core.kernels import check_kernel_device
 
             check_kernel_device(args.linear, args.device)
         return commands[args.command](args)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .accept import greedy_accept, sample_accept, typical_accept, warp_probs
-from .drafters import Drafter, NoDrafter
+from .drafter import Drafter, NoDrafter
 from .errors import UserError
 from .params import SamplingParams
 from .tree import TreeSpec
@@ -160,7 +160,7 @@ def stream(
     """Speculative generation, yielding each step's accepted tokens as a :class:`Chunk`.
 
     Args:
-        verifier: a :class:`~infer.verifier.Verifier` or an HF causal LM (batch 1).
+        verifier: a :class:`~infer.core.verifier.Verifier` or an HF causal LM (batch 1).
         drafter: proposes the trees; ``None`` decodes plainly through the same loop.
         input_ids: ``[L]`` or ``[1, L]`` integer prompt token ids (one prompt).
         max_new_tokens: exact upper bound on new tokens.
@@ -170,7 +170,7 @@ def stream(
             with a number drawn from it; without either, a fresh local generator is seeded from
             the OS (the global torch generators are never reseeded).
         params: all of ``max_new_tokens`` .. ``seed`` and ``acceptance`` as one
-            :class:`~infer.params.SamplingParams` (then those arguments are ignored).
+            :class:`~infer.core.params.SamplingParams` (then those arguments are ignored).
         tree: overrides the drafter's tree shape.
         eos_token_id: token id(s) that end generation (included in the output, as in HF).
         stop: a string, or strings, that end generation once the decoded output contains one

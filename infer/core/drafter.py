@@ -1,0 +1,122 @@
+"""The drafter interface: what proposes the token tree that the verifier checks.
+
+The interface, in the spirit of HF's ``CandidateGenerator``:
+
+* :meth:`Drafter.begin` - a new generation starts: the prompt and the verifier's features for it;
+* :meth:`Drafter.propose` - draft a tree rooted at the newest token;
+* :meth:`Drafter.update` - these tokens (root + accepted drafts) are now committed, with the
+  verifier's features at each of them;
+* :meth:`Drafter.observe_verify` - the engine timed a verify pass over so many nodes (drafters
+  whose cost curve learns from it pass it on).
+
+Drafters that need the verifier's hidden states list the layers in ``feature_layers``
+(indices into HF's ``hidden_states`` tuple). The drafters themselves live in
+:mod:`infer.drafting`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .tree import Tree, TreeSpec, tree_and_values
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed tree.
+
+    Attributes:
+        tokens: ``[N]`` long; node 0 is the root token (already emitted, not yet verified).
+        tree: topology of the ``N`` nodes.
+        q: ``[N, V]`` or None: the distribution each node's token was drawn from given its earlier
+            siblings (see :func:`infer.core.accept.sample_accept`); None for deterministic drafts.
+        host: ``(tokens, parents)`` as host tuples when the drafter knows them without reading
+            the device (then merging drafts reads nothing), else None.
+    """
+
+    tokens: torch.Tensor
+    tree: Tree
+    q: torch.Tensor | None = None
+    host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def to(self, device) -> Draft:
+        """The same draft on ``device`` (asynchronous copies; itself when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        if self.host is not None and self.q is None:  # rebuilt on the host: one packed copy
+            return host_draft(*self.host, device=device)
+        q = self.q.to(device, non_blocking=True) if self.q is not None else None
+        return Draft(self.tokens.to(device, non_blocking=True), self.tree.to(device), q, self.host)
+
+
+def host_draft(tokens: Sequence[int], parents: Sequence[int], device=None) -> Draft:
+    """A deterministic draft built on the host: tokens and parents travel to ``device`` as one
+    packed copy with the tree (:func:`~infer.core.tree.build_tree`), and stay known on the host."""
+    tokens, parents = tuple(int(t) for t in tokens), tuple(int(p) for p in parents)
+    tree, values = tree_and_values(parents, tokens, device)
+    return Draft(values, tree, host=(tokens, parents))
+
+
+@lru_cache(maxsize=16)
+def _single(device: str) -> Tree:
+    """The one-node tree, made on ``device`` by factory functions (no copy)."""
+    dev = torch.device(device)
+    return Tree(torch.full((1,), -1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                torch.ones(1, 1, dtype=torch.bool, device=dev), 0, 0)
+
+
+def root_only(root: int, device=None) -> Draft:
+    """The trivial draft: just the root (one plain decoding step), on ``device``, made there
+    without a copy from host memory."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return Draft(torch.full((1,), int(root), dtype=torch.long, device=dev), _single(str(dev)), host=((int(root),), (-1,)))
+
+
+class Drafter(ABC):
+    """Base class of all drafters (see the module docstring for the protocol)."""
+
+    feature_layers: tuple[int, ...] = ()
+    tree: TreeSpec | None = None
+    #: the verify-cost curve that sizes this drafter's trees (a :class:`~infer.core.cost.VerifyCost`
+    #: or a learning :class:`~infer.core.cost.OnlineCost`), or None
+    cost = None
+
+    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """A generation starts. ``prompt_ids``: ``[L]``; ``features``: ``[L, F, H]`` or None."""
+
+    @abstractmethod
+    def propose(
+        self, root: int, *, tree: TreeSpec | None, max_depth: int, generator: torch.Generator | None
+    ) -> Draft:
+        """Draft a tree of depth at most ``max_depth`` rooted at token ``root``.
+
+        ``tree`` overrides the drafter's default shape; ``generator`` is given when sampling
+        (drafters that draw children from their distribution use it and report ``q``).
+        """
+
+    def update(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        """``tokens`` ``[k]`` (root, then accepted drafts) entered the verifier's cache;
+        ``features`` ``[k, F, H]`` are the verifier's hidden states there."""
+
+    def observe_verify(self, nodes: int, seconds: float) -> None:
+        """The engine timed a verify pass over ``nodes`` tree nodes: ``seconds`` (host floats).
+        A cost curve that learns (:class:`~infer.core.cost.OnlineCost`) takes it in."""
+        if self.cost is not None:
+            self.cost.observe(nodes, seconds)
+
+    def state(self) -> dict:
+        """What the drafter has learnt so far in this generation, for benchmark records (JSON;
+        reads device values, so call it between generations, not in the decoding loop)."""
+        return {}
+
+
+class NoDrafter(Drafter):
+    """Plain decoding through the speculative engine: every tree is just the root."""
+
+    def propose(self, root, *, tree=None, max_depth=0, generator=None) -> Draft:
+        return root_only(root)
