@@ -6,8 +6,12 @@ The interface, in the spirit of HF's ``CandidateGenerator``:
 * :meth:`Drafter.propose` - draft a tree rooted at the newest token;
 * :meth:`Drafter.update` - these tokens (root + accepted drafts) are now committed, with the
   verifier's features at each of them;
-* :meth:`Drafter.observe_verify` - the engine timed a verify pass over so many nodes (drafters
-  whose cost curve learns from it pass it on).
+* :meth:`Drafter.observe_verify` - the engine timed a verify pass over so many rows (batch x
+  tree nodes; drafters whose cost curve learns from it pass it on);
+* :meth:`Drafter.spawn` - a drafter for one more concurrent generation (a batch row): the same
+  weights and verify-cost curve, its own per-generation state;
+* :meth:`Drafter.set_cost` - the verify-cost curve to size trees by from now on (the engine
+  gives each row the curve as seen from a batch of its size, see :class:`~infer.core.cost.BatchCost`).
 
 Drafters that need the verifier's hidden states list the layers in ``feature_layers``
 (indices into HF's ``hidden_states`` tuple). The drafters themselves live in
@@ -16,6 +20,7 @@ Drafters that need the verifier's hidden states list the layers in ``feature_lay
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,6 +114,18 @@ class Drafter(ABC):
         if self.cost is not None:
             self.cost.observe(nodes, seconds)
 
+    def spawn(self) -> Drafter:
+        """A drafter for another generation running at the same time (a row of a batch): it shares
+        what is heavy or learnt across generations (weights, the verify-cost curve) and has its own
+        per-generation state. The default deep-copies the drafter and shares its ``cost``; drafters
+        that hold weights override it."""
+        return copy.deepcopy(self, memo={id(self.cost): self.cost})
+
+    def set_cost(self, cost) -> None:
+        """Size trees by ``cost`` from now on (a drafter that sizes none ignores it)."""
+        if self.cost is not None:
+            self.cost = cost
+
     def state(self) -> dict:
         """What the drafter has learnt so far in this generation, for benchmark records (JSON;
         reads device values, so call it between generations, not in the decoding loop)."""
@@ -117,6 +134,9 @@ class Drafter(ABC):
 
 class NoDrafter(Drafter):
     """Plain decoding through the speculative engine: every tree is just the root."""
+
+    def spawn(self) -> NoDrafter:
+        return self  # stateless
 
     def propose(self, root, *, tree=None, max_depth=0, generator=None) -> Draft:
         return root_only(root)
