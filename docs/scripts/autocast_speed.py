@@ -5,7 +5,7 @@
 The features are computed once (no grad, float32); then the head's loss, backward and an AdamW
 step run ``--repeats`` times in each precision, alternating, and the medians are printed. On a
 CPU without native bfloat16 dot products (no AVX512-BF16 / AMX) torch runs bf16 matrix products
-in a slow fallback, which is why ``train_heads`` warns there (BENCHMARKS.md, session 25).
+in a slow fallback, which is why ``train_heads`` warns there (BENCHMARKS.md, "Data": training on a CPU without native bf16).
 Run it with nothing else on the machine.
 """
 

@@ -1,5 +1,5 @@
 """Distillation throughput, side by side in one process on one thread: HF ``generate`` on a
-left-padded batch (how ``specheads distill`` generated before session 24: every row runs to the
+left-padded batch (how ``specheads distill`` generated until 2026-12-03: every row runs to the
 longest answer) against ``train.data._generate`` (rows leave the batch as they end) on batches
 cut from length-sorted prompts, at batch 16 and 32. Also counts the answers identical to the
 committed data (the float32 greedy answers in train/data/distilled, balanced series).

@@ -19,7 +19,7 @@ except ImportError:
     from infer.tools.cli import make_drafter
     drafter = make_drafter("default", tree, lv.model, "fixed")
     which = "old"
-prompts = [json.loads(l)["turns"][0] for l in open("../shared/data/spec_bench.jsonl")][::80][:6]
+prompts = [json.loads(l)["turns"][0] for l in open("configs/prompts/spec_bench.jsonl")][::80][:6]
 eos = eos_ids(lv.model, lv.tokenizer)
 ids0 = encode_prompt(lv.tokenizer, prompts[0])
 generate(lv.model, drafter, ids0, max_new_tokens=16, eos_token_id=eos)  # warm-up

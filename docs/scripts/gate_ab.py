@@ -2,9 +2,11 @@
 on its one drafted step), probes judged on 3 drafted steps together, and no gate at all.
 
 Prompts: 8 Spec-Bench and 6 unseen prompts on which the head paused on > 25% of the steps in the
-session-13 runs (docs/bench-kernel-*.json), and 3 + 3 others, seeded. 256 new tokens, greedy.
+oneDNN-kernel runs of 2026-12-01 (docs/bench-kernel-*.json, in the history: bring them back first),
+and 3 + 3 others, seeded. 256 new tokens, greedy.
 
-    PYTHONPATH=. .venv/bin/python docs/scripts/gate_ab.py results/gate-ab.json   # ~20 min here
+    for f in specbench unseen; do git show 9ce81c7:docs/bench-kernel-$f.json > docs/bench-kernel-$f.json; done
+    PYTHONPATH=. .venv/bin/python docs/scripts/gate_ab.py results/gate-ab.json   # ~20 min on a 2-core CPU
 """
 import json
 import math
@@ -69,7 +71,7 @@ def head_of(row, m):
 
 
 def main(out):
-    sets = [("docs/bench-kernel-specbench.json", read_prompts("../shared/data/spec_bench.jsonl", 10), "spec:auto", 8),
+    sets = [("docs/bench-kernel-specbench.json", read_prompts("configs/prompts/spec_bench.jsonl", 10), "spec:auto", 8),
             ("docs/bench-kernel-unseen.json", read_prompts("configs/prompts/unseen.jsonl"), "spec:default", 6)]
     prompts = []
     for path, texts, method, n_heavy in sets:

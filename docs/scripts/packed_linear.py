@@ -5,7 +5,7 @@ rows equal the count it was packed for, so each tree size needs its own copy of 
 
     PYTHONPATH=. python docs/scripts/packed_linear.py [--rounds 15] [--context 300]
 
-An experiment (session 30), not a kernel the engine offers: see BENCHMARKS.md.
+An experiment, not a kernel the engine offers: see BENCHMARKS.md ("Packed MKL weights").
 """
 import argparse
 import contextlib

@@ -15,7 +15,7 @@ from infer.drafting.head_drafters import EagleDrafter
 lv = load_verifier("default")
 head_path = sys.argv[1] if len(sys.argv) > 1 else "default"
 head = load_head(head_path, verifier=lv.model)
-prompts = [json.loads(l)["turns"][0] for l in open("../shared/data/spec_bench.jsonl")][::80][:6]
+prompts = [json.loads(l)["turns"][0] for l in open("configs/prompts/spec_bench.jsonl")][::80][:6]
 T = 1.0
 rows = []
 for pi, prompt in enumerate(prompts):
