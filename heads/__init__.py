@@ -1,4 +1,8 @@
-"""specheads draft heads: Medusa, EAGLE-1 and EAGLE-3 modules, their config and checkpoints.
+"""specheads draft heads: Medusa (a Medusa-2 LoRA adapter travels with its checkpoint), EAGLE-1,
+EAGLE-3 and the DFlash-style block drafter (:mod:`heads.dflash`: one forward pass drafts a whole
+block), their config (:class:`HeadConfig`, with the verifier's spec and fingerprint) and safetensors
+checkpoints; :mod:`heads.interop` and :mod:`heads.dflash_export` write and read the layouts vLLM
+and SGLang load.
 
 Depends on torch and transformers only (plus safetensors / huggingface_hub for checkpoints).
 """
