@@ -1,8 +1,9 @@
 """The tree speaks of itself only: no work-history markers in any tracked file.
 
 A run is named by its date, machine and commit, a head by its version (v3j), a behaviour by what
-it is; words such as "session 12", "issue 21", "Issue #22" or a keyword argument ``issue=...``
-name the work that produced a change, not the change, and mean nothing to a reader of the tree.
+it is; the words "session" or "issue" followed by a number (with or without "#"), or a keyword
+argument named "issue", name the work that produced a change, not the change, and mean nothing to a
+reader of the tree.
 Results files are named by date and machine, not by the work period that made them.
 
 ``scan_text`` and ``scan_name`` are pure functions on strings, tested on planted markers below;
@@ -21,7 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: a work-history marker in text: "session 12", "Sessions 20-32", "issue_21", "issue #22", "issue=..."
+#: a work-history marker in text: session(s) or issue(s), then an optional " ", "_" or "-" and "#",
+#: then digits; or the keyword argument named issue (case-insensitive)
 MARKER = re.compile(r"\b(sessions?|issues?)[ _-]?#?[0-9]+|\bissue=", re.IGNORECASE)
 #: a work-period number in a file name: "bench-s32-unseen.json", "notes_session4.md", "s7.png"
 NAME_MARKER = re.compile(r"(?:^|[-_.])s(?:ession)?[-_]?[0-9]+(?=[-_.]|$)", re.IGNORECASE)
