@@ -35,6 +35,7 @@ class TextChunk:
     token_ids: list[int]
     text: str
     stats: GenerationStats
+    index: int = 0
 
 
 @dataclass
@@ -45,7 +46,8 @@ class SpeculatorResult(GenerationResult):
 
 
 BUSY = ("this Speculator is already generating (an unfinished stream() or another thread): it runs one "
-        "generation at a time; finish or close() the other stream first, or use one Speculator per concurrent generation")
+        "call at a time; finish or close() the other stream first, pass several prompts as one list (a batch), "
+        "or serve concurrent callers with `specheads serve`")
 
 
 class Speculator:
@@ -85,33 +87,84 @@ class Speculator:
             return encode_prompt(self.tokenizer, prompt, chat=chat)
         return prompt
 
-    def stream(self, prompt: str | Sequence[int] | torch.Tensor, *, max_new_tokens: int = 128, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-               chat: bool | None = None) -> Iterator[TextChunk]:
+    def stream(self, prompt: str | Sequence[int] | torch.Tensor | Sequence[str | Sequence[int]], *, max_new_tokens: int = 128,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               stop: str | Sequence[str] | None = None, chat: bool | None = None, max_batch: int = 64) -> Iterator[TextChunk]:
         """Generate from text (through the chat template when the tokenizer has one, unless
-        ``chat=False``) or token ids, yielding each step's tokens and text as they are accepted."""
+        ``chat=False``) or token ids, yielding each step's tokens and text as they are accepted.
+
+        A list of prompts (texts or token-id lists) is generated as a batch: every chunk names its
+        prompt in ``index``; each prompt is its own generation (row ``i`` sampled with
+        ``seed + i``), and up to ``max_batch`` run at once."""
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed)
-        ids = self._ids(prompt, chat)
+        batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+        if batch:
+            ids = [self._ids(p, chat) for p in prompt]
+        else:
+            ids = self._ids(prompt, chat)
         eos = eos_ids(self.model, self.tokenizer) if self.tokenizer is not None else None
         if not self._busy.acquire(blocking=False):
             raise UserError(BUSY)
         try:
-            pieces = StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
-            for chunk in stream(self._verifier, self.drafter, ids, params=params, eos_token_id=eos, stop=stop,
-                                tokenizer=self.tokenizer):
-                piece = pieces.push(chunk.token_ids) if pieces is not None else ""
-                if pieces is not None and chunk.stats.finish_reason:  # the last chunk: whatever is left
-                    piece += pieces.flush()
-                yield TextChunk(chunk.token_ids, piece, chunk.stats)
-        finally:  # the end, an error, close() or the generator's garbage collection
+            chunks = stream(self._verifier, self.drafter, ids, params=params, eos_token_id=eos, stop=stop,
+                            tokenizer=self.tokenizer, max_batch=max_batch)
+        except BaseException:
             self._busy.release()
+            raise
+        return _Held(self._texts(chunks), self._busy.release)
 
-    def generate(self, prompt: str | Sequence[int] | torch.Tensor, **kwargs) -> SpeculatorResult:
-        """:meth:`stream` to the end: the new token ids, their text and the stats."""
-        tokens: list[int] = []
-        stats = GenerationStats()
+    def _texts(self, chunks: Iterator) -> Iterator[TextChunk]:
+        """The engine's chunks with their text (per prompt, complete characters only)."""
+        decoders: dict[int, StreamDecoder] = {}
+        for chunk in chunks:
+            piece = ""
+            if self.tokenizer is not None:
+                pieces = decoders.setdefault(chunk.index, StreamDecoder(self.tokenizer))
+                piece = pieces.push(chunk.token_ids)
+                if chunk.stats.finish_reason:  # the last chunk: whatever is left
+                    piece += pieces.flush()
+            yield TextChunk(chunk.token_ids, piece, chunk.stats, chunk.index)
+
+    def generate(self, prompt, **kwargs) -> SpeculatorResult | list[SpeculatorResult]:
+        """:meth:`stream` to the end: the new token ids, their text and the stats (a list of
+        them, in prompt order, for a list of prompts)."""
+        batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+        n = len(prompt) if batch else 1
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        stats = [GenerationStats() for _ in range(n)]
         for chunk in self.stream(prompt, **kwargs):
-            tokens.extend(chunk.token_ids)
-            stats = chunk.stats
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
-        return SpeculatorResult(tokens, stats, text)
+            tokens[chunk.index].extend(chunk.token_ids)
+            stats[chunk.index] = chunk.stats
+        decode = (lambda t: self.tokenizer.decode(t, skip_special_tokens=True)) if self.tokenizer is not None else (lambda t: None)
+        results = [SpeculatorResult(t, s, decode(t)) for t, s in zip(tokens, stats)]
+        return results if batch else results[0]
+
+
+class _Held:
+    """An iterator that holds a lock until it is exhausted, fails, is closed or is collected
+    (started or not: a generator's own ``finally`` never runs if it was never started)."""
+
+    def __init__(self, inner: Iterator, release):
+        self._inner, self._release = inner, release
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._release is None:
+            raise StopIteration
+        try:
+            return next(self._inner)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop here: the rest is not generated, and the lock is released."""
+        if self._release is not None:
+            release, self._release = self._release, None
+            self._inner.close()
+            release()
+
+    def __del__(self):
+        self.close()

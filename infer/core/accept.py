@@ -10,10 +10,12 @@ Names follow the papers: ``p`` is the verifier's (target) distribution, ``q`` th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .batch import TreeBatch
 from .tree import Tree, at
 
 
@@ -228,3 +230,131 @@ def typical_accept(
     best = _deepest_valid(tree, ok)
     bonus = torch.multinomial(at(probs, best), 1, generator=generator)[0]
     return _read_back(tokens, tree, best, bonus)
+
+
+# --------------------------------------------------------------------------------------------
+# A batch of rows: one tree per row (infer.core.batch.TreeBatch), one read back for them all
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowsAcceptance:
+    """The accepted path and bonus token of every row of a batch.
+
+    Attributes:
+        paths: ``[B, N]`` long on the device: row ``b``'s accepted node indices, root first, in
+            its first ``k_b`` entries (what follows is padding).
+        lengths: ``[B]`` long on the device: ``k_b``.
+        rows: per row, its :class:`Acceptance` (``nodes`` a view of ``paths``).
+    """
+
+    paths: torch.Tensor
+    lengths: torch.Tensor
+    rows: tuple[Acceptance, ...]
+
+
+def _row_at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``t[b, i[b]]`` for ``t [B, N, ...]`` and ``i [B]``, gathered on the device: ``[B, ...]``."""
+    index = i.view(-1, 1, *([1] * (t.dim() - 2))).expand(t.shape[0], 1, *t.shape[2:])
+    return t.gather(1, index).squeeze(1)
+
+
+def _read_back_rows(trees: TreeBatch, end: torch.Tensor, bonus: torch.Tensor) -> RowsAcceptance:
+    """Every row's path from its root to node ``end[b]`` and its ``bonus[b]`` token, read to the
+    host in one transfer for the whole batch."""
+    b, n = trees.tokens.shape
+    on_path = _row_at(trees.ancestor_mask, end)  # [B, N]
+    idx = torch.arange(n, device=on_path.device)
+    paths = torch.sort(torch.where(on_path, idx, n), dim=-1).values  # [B, N], padded with n
+    lengths = on_path.sum(-1)
+    paths = paths.clamp(max=n - 1)
+    toks = trees.tokens.gather(1, paths)
+    host = torch.cat([lengths[:, None], bonus.view(b, 1).to(torch.long), paths, toks], dim=1).tolist()
+    rows = []
+    for r, row in enumerate(host):
+        k, bonus_id = row[0], row[1]
+        rows.append(Acceptance(nodes=paths[r, :k], bonus=bonus_id, node_ids=tuple(row[2 : 2 + k]),
+                               tokens=tuple(row[3 + n : 2 + n + k]) + (bonus_id,)))
+    return RowsAcceptance(paths, lengths, tuple(rows))
+
+
+def _deepest_valid_rows(trees: TreeBatch, node_ok: torch.Tensor) -> torch.Tensor:
+    """``[B]``: per row, the deepest node whose whole root path is ``node_ok [B, N]`` (first on ties)."""
+    path_ok = ~(trees.ancestor_mask & ~node_ok[:, None, :]).any(-1)  # [B, N]
+    return torch.where(path_ok, trees.depths, -1).argmax(-1)
+
+
+def greedy_accept_rows(trees: TreeBatch, target: torch.Tensor) -> RowsAcceptance:
+    """:func:`greedy_accept` for every row of a batch at once.
+
+    Args:
+        trees: the rows' drafts, padded (padding nodes are never accepted).
+        target: ``[B, N]`` the verifier's argmax after each node of each row.
+    """
+    parents = trees.parents.clamp(min=0)
+    match = trees.valid & (trees.tokens == target.gather(1, parents))
+    match[:, 0] = True
+    best = _deepest_valid_rows(trees, match)
+    return _read_back_rows(trees, best, target.gather(1, best[:, None])[:, 0])
+
+
+def _sibling_before_rows(trees: TreeBatch) -> torch.Tensor:
+    """``[B, N, N]`` bool: ``[b, i, j]`` when ``j`` is an earlier sibling of ``i`` in row ``b``."""
+    n = trees.num_nodes
+    idx = torch.arange(n, device=trees.device)
+    both = trees.valid[:, :, None] & trees.valid[:, None, :]
+    same = (trees.parents[:, :, None] == trees.parents[:, None, :]) & (idx[None, :] < idx[:, None]) & both
+    same[:, 0] = False
+    return same
+
+
+def sample_accept_rows(trees: TreeBatch, p: torch.Tensor, generators: Sequence[torch.Generator | None]) -> RowsAcceptance:
+    """:func:`sample_accept` for every row of a batch of deterministic drafts (no ``q``) at once.
+
+    Args:
+        trees: the rows' drafts, padded.
+        p: ``[B, N, V]`` each row's (warped) distribution after each node.
+        generators: one per row; each row draws exactly what :func:`sample_accept` draws for its
+            tree alone (its node count of uniforms, then its bonus), so a row's output does not
+            depend on the batch it ran in.
+    """
+    dev = p.device
+    b, n, vocab = p.shape
+    u = torch.ones(b, n, device=dev)
+    for r, (g, size) in enumerate(zip(generators, trees.sizes)):
+        u[r, :size] = torch.rand(size, generator=g, device=dev)
+    parents = trees.parents.clamp(min=0)
+    px = p.reshape(b, n * vocab).gather(1, parents * vocab + trees.tokens)  # [B, N]: p of each node's token at its parent
+    before = _sibling_before_rows(trees)
+    dup = (before & (trees.tokens[:, None, :] == trees.tokens[:, :, None])).any(-1)
+    px = torch.where(dup | ~trees.valid, 0.0, px)
+    tried_mass = (before.float() * px[:, None, :]).sum(-1)
+    left = (1.0 - tried_mass).clamp(min=0.0)
+    ok = (u * left < px) & trees.valid
+    ok[:, 0] = True
+    first = ok & ~(before & ok[:, None, :]).any(-1)
+    end = _deepest_valid_rows(trees, first)
+    idx = torch.arange(n, device=dev)
+    children = (trees.parents == end[:, None]) & (idx > 0) & trees.valid  # all tried and rejected
+    at_end = _row_at(p, end)  # [B, V]
+    drop = torch.zeros(b, vocab + 1, dtype=torch.bool, device=dev)
+    drop.scatter_(1, torch.where(children, trees.tokens, vocab), True)
+    residual = at_end.masked_fill(drop[:, :-1], 0.0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 1e-12, residual / total.clamp(min=1e-30), at_end)
+    bonus = torch.cat([torch.multinomial(residual[r], 1, generator=g) for r, g in enumerate(generators)])
+    return _read_back_rows(trees, end, bonus)
+
+
+def row_tree(trees: TreeBatch, r: int) -> tuple[torch.Tensor, Tree]:
+    """Row ``r`` of a batch as its own ``(tokens [N_r], tree)`` (views; the sizes are host ints)."""
+    k = trees.sizes[r]
+    return trees.tokens[r, :k], Tree(trees.parents[r, :k], trees.depths[r, :k], trees.ancestor_mask[r, :k, :k],
+                                     trees.max_depth, trees.width)
+
+
+def stack_acceptances(accs: Sequence[Acceptance], n: int, device) -> RowsAcceptance:
+    """Rows accepted one by one, as one :class:`RowsAcceptance` (paths padded to ``n``)."""
+    paths = torch.stack([torch.cat([a.nodes.to(device), a.nodes.new_zeros(n - a.nodes.numel()).to(device)]) for a in accs])
+    lengths = torch.tensor([len(a.node_ids) for a in accs], dtype=torch.long).to(device, non_blocking=True)
+    return RowsAcceptance(paths, lengths, tuple(accs))

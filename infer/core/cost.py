@@ -145,6 +145,32 @@ class OnlineCost:
         return self._curve.table(n_max, device)
 
 
+class BatchCost:
+    """A verify-cost curve as one row of a batch of ``rows`` sees it: a pass costs what its total
+    rows (batch x tree nodes) cost on ``base``, so ``n`` nodes per row cost
+    ``base(rows * n) / base(rows)`` times a plain step of the batch. Trees shrink as the batch
+    grows (where ``base`` turns from memory-bound to compute-bound, a node costs nearly a whole
+    row), and where no draft can pay, drafters size their trees to the root alone: speculation
+    steps back under load. ``seconds_per_token`` is a row's share of a plain batched step, what a
+    drafter's own time is weighed against."""
+
+    def __init__(self, base, rows: int):
+        if rows < 1:
+            raise ValueError(f"a batch has at least one row, not {rows}")
+        self.base, self.rows = base, rows
+
+    def __call__(self, n: int) -> float:
+        return float(self.base(self.rows * max(n, 1))) / float(self.base(self.rows))
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        spt = getattr(self.base, "seconds_per_token", None)
+        return spt * float(self.base(self.rows)) / self.rows if spt else None
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        """The engine gives timed passes to the base curve (in total rows), not to this view."""
+
+
 def has_timing(cost) -> bool:
     """Whether ``cost`` has measured the seconds of a one-token pass (what the gate needs to
     weigh a draft's wall time against the verifier's)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -31,7 +30,6 @@ import torch
 from .tree import Tree, TreeSpec, tree_and_values
 
 
-@dataclass(frozen=True)
 class Draft:
     """A proposed tree.
 
@@ -42,29 +40,72 @@ class Draft:
             siblings (see :func:`infer.core.accept.sample_accept`); None for deterministic drafts.
         host: ``(tokens, parents)`` as host tuples when the drafter knows them without reading
             the device (then merging drafts reads nothing), else None.
+
+    A draft made on the host (:func:`host_draft`) makes its tensors only when they are first
+    asked for (one packed copy to ``device``): a batch of such drafts is copied as one
+    (:func:`~infer.core.batch.stack_drafts`) and its rows' own tensors are never made.
     """
 
-    tokens: torch.Tensor
-    tree: Tree
-    q: torch.Tensor | None = None
-    host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    __slots__ = ("_tokens", "_tree", "q", "host", "_device")
+
+    def __init__(self, tokens: torch.Tensor | None, tree: Tree | None, q: torch.Tensor | None = None,
+                 host: tuple[tuple[int, ...], tuple[int, ...]] | None = None, *, device=None):
+        if (tokens is None or tree is None) and host is None:
+            raise ValueError("a draft needs its tensors or its host form")
+        self._tokens, self._tree, self.q, self.host, self._device = tokens, tree, q, host, device
+
+    def _make(self) -> None:
+        tree, values = tree_and_values(self.host[1], self.host[0], self._device)
+        self._tokens, self._tree = values, tree
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._make()
+        return self._tokens
+
+    @property
+    def tree(self) -> Tree:
+        if self._tree is None:
+            self._make()
+        return self._tree
+
+    @property
+    def made(self) -> bool:
+        """Whether the draft's tensors exist (a host draft makes them when first asked)."""
+        return self._tokens is not None
+
+    @property
+    def num_nodes(self) -> int:
+        """``N``, known on the host."""
+        return len(self.host[0]) if self.host is not None else self.tree.num_nodes
+
+    @property
+    def device(self) -> torch.device:
+        if self._tokens is not None:
+            return self._tokens.device
+        return torch.device(self._device) if self._device is not None else torch.device("cpu")
 
     def to(self, device) -> Draft:
         """The same draft on ``device`` (asynchronous copies; itself when already there)."""
-        if self.tokens.device == torch.device(device):
+        if self.device == torch.device(device):
             return self
-        if self.host is not None and self.q is None:  # rebuilt on the host: one packed copy
-            return host_draft(*self.host, device=device)
+        if self.host is not None and self.q is None:  # rebuilt on the host: one packed copy, when asked for
+            return Draft(None, None, host=self.host, device=device)
         q = self.q.to(device, non_blocking=True) if self.q is not None else None
         return Draft(self.tokens.to(device, non_blocking=True), self.tree.to(device), q, self.host)
 
 
 def host_draft(tokens: Sequence[int], parents: Sequence[int], device=None) -> Draft:
     """A deterministic draft built on the host: tokens and parents travel to ``device`` as one
-    packed copy with the tree (:func:`~infer.core.tree.build_tree`), and stay known on the host."""
+    packed copy with the tree (:func:`~infer.core.tree.build_tree`) when its tensors are first
+    used, and stay known on the host."""
     tokens, parents = tuple(int(t) for t in tokens), tuple(int(p) for p in parents)
-    tree, values = tree_and_values(parents, tokens, device)
-    return Draft(values, tree, host=(tokens, parents))
+    if len(tokens) != len(parents):
+        raise ValueError(f"a draft of {len(tokens)} tokens needs as many parents, not {len(parents)}")
+    if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+        raise ValueError("a draft's parents need node 0 as the root (-1) and every parent before its child")
+    return Draft(None, None, host=(tokens, parents), device=device)
 
 
 @lru_cache(maxsize=16)
@@ -110,9 +151,11 @@ class Drafter(ABC):
 
     def observe_verify(self, nodes: int, seconds: float) -> None:
         """The engine timed a verify pass over ``nodes`` tree nodes: ``seconds`` (host floats).
-        A cost curve that learns (:class:`~infer.core.cost.OnlineCost`) takes it in."""
-        if self.cost is not None:
-            self.cost.observe(nodes, seconds)
+        A cost curve that learns (:class:`~infer.core.cost.OnlineCost`) takes it in; a plain
+        callable curve learns nothing."""
+        observe = getattr(self.cost, "observe", None)
+        if observe is not None:
+            observe(nodes, seconds)
 
     def spawn(self) -> Drafter:
         """A drafter for another generation running at the same time (a row of a batch): it shares

@@ -1,8 +1,10 @@
-"""The speculative decoding loop: ``generate`` and ``stream``.
+"""The speculative decoding loop: ``generate`` and ``stream``, for one prompt or a batch, and the
+continuous-batching :class:`Engine` under both (and under ``specheads serve``).
 
-Each step: the drafter proposes a tree rooted at the newest token, the verifier scores all of
-its nodes in one masked forward pass, an acceptance rule keeps the longest valid path plus the
-verifier's own bonus token, and the KV cache is compacted to that path. Greedy output is token
+Each step: every row's drafter proposes a tree rooted at its newest token, the verifier scores
+all rows' nodes in one masked forward pass, an acceptance rule keeps each row's longest valid path
+plus the verifier's own bonus token, and the KV cache keeps exactly those paths. Rows join at a
+step boundary and leave when they end. Greedy output is token
 for token the verifier's plain greedy output; sampled output follows the verifier's own sampling
 distribution exactly (``acceptance="typical"`` is the documented lossy exception).
 """
@@ -15,10 +17,22 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .accept import greedy_accept, sample_accept, typical_accept, warp_probs
-from .drafter import Drafter, NoDrafter
+from .accept import (
+    RowsAcceptance,
+    greedy_accept,
+    greedy_accept_rows,
+    row_tree,
+    sample_accept,
+    sample_accept_rows,
+    stack_acceptances,
+    typical_accept,
+    warp_probs,
+)
+from .batch import TreeBatch, stack_drafts
+from .cost import BatchCost
+from .drafter import Draft, Drafter, NoDrafter
 from .errors import UserError
-from .params import SamplingParams
+from .params import MAX_SEED, SamplingParams
 from .tree import TreeSpec
 from .verifier import Verifier
 
@@ -66,15 +80,33 @@ class GenerationResult:
 
 @dataclass
 class Chunk:
-    """Tokens accepted in one step, and the running stats (the same object every step)."""
+    """Tokens accepted in one step, and the running stats (the same object every step).
+    ``index``: which prompt of a batch they belong to (0 for a single prompt)."""
 
     token_ids: list[int]
     stats: GenerationStats
+    index: int = 0
+
+
+def is_batch(input_ids) -> bool:
+    """Whether ``input_ids`` holds several prompts: a list or tuple of prompts (lists, tuples or
+    tensors of token ids), or a ``[B, L]`` tensor with ``B > 1``."""
+    if isinstance(input_ids, torch.Tensor):
+        return input_ids.dim() == 2 and input_ids.shape[0] > 1
+    return (isinstance(input_ids, (list, tuple)) and len(input_ids) > 0
+            and isinstance(input_ids[0], (list, tuple, torch.Tensor)))
+
+
+def batch_prompts(input_ids) -> list:
+    """The prompts of a batch (see :func:`is_batch`), each still to be checked."""
+    if isinstance(input_ids, torch.Tensor):
+        return list(input_ids)
+    return list(input_ids)
 
 
 def check_prompt_ids(input_ids) -> torch.Tensor:
     """The prompt as a 1-D long tensor on the host, or a :class:`UserError` naming what is
-    expected: ``[L]`` or ``[1, L]`` integer token ids (one prompt: batches are not supported yet)."""
+    expected: ``[L]`` or ``[1, L]`` integer token ids (one prompt; a batch is a list of them)."""
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids
     else:
@@ -89,7 +121,7 @@ def check_prompt_ids(input_ids) -> torch.Tensor:
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1:
-        raise UserError(f"input_ids must have shape [L] or [1, L] (one prompt; batches are not supported yet), not {list(ids.shape)}")
+        raise UserError(f"input_ids must have shape [L] or [1, L] for one prompt (a batch: a list of prompts), not {list(ids.shape)}")
     if ids.numel() == 0:
         raise UserError("the prompt is empty: give at least one token")
     return ids.to(torch.long).cpu()
@@ -139,62 +171,92 @@ class _Stopper:
         return out
 
 
+_UNSET = object()  # a keyword argument that was not given
+
+
+def sampling_params(params, **given) -> SamplingParams:
+    """``params`` or the keyword arguments ``given`` (those not ``_UNSET``) as one
+    :class:`SamplingParams`; both at once is refused (one would silently win)."""
+    passed = {k: v for k, v in given.items() if v is not _UNSET}
+    if params is not None:
+        if passed:
+            raise UserError(f"give either params= or the keyword arguments {', '.join(sorted(passed))}, not both")
+        return params
+    return SamplingParams(**passed)
+
+
 def stream(
     verifier,
     drafter: Drafter | None,
     input_ids,
     *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    params: SamplingParams | None = None,
+    max_new_tokens: int = _UNSET,
+    temperature: float = _UNSET,
+    top_p: float = _UNSET,
+    top_k: int = _UNSET,
+    seed: int | None = _UNSET,
+    acceptance: str = _UNSET,
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
     generator: torch.Generator | None = None,
     tree: TreeSpec | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     stop: Sequence[str] | None = None,
     tokenizer=None,
-    acceptance: str = "exact",
+    max_batch: int = 64,
 ) -> Iterator[Chunk]:
     """Speculative generation, yielding each step's accepted tokens as a :class:`Chunk`.
 
     Args:
-        verifier: a :class:`~infer.core.verifier.Verifier` or an HF causal LM (batch 1).
+        verifier: a :class:`~infer.core.verifier.Verifier` or an HF causal LM.
         drafter: proposes the trees; ``None`` decodes plainly through the same loop.
-        input_ids: ``[L]`` or ``[1, L]`` integer prompt token ids (one prompt).
-        max_new_tokens: exact upper bound on new tokens.
-        temperature: 0 = greedy; otherwise sample with ``top_p`` / ``top_k`` as HF does.
+        input_ids: one prompt (``[L]`` or ``[1, L]`` integer token ids), or a batch: a list of
+            prompts (of any lengths) or a ``[B, L]`` tensor. A batch's chunks carry the prompt's
+            position in ``index``; every row is its own generation (its own tree, acceptance,
+            stop conditions and randomness) and leaves the batch when it ends.
+        max_new_tokens: exact upper bound on new tokens (default 128).
+        temperature: 0 (default) = greedy; otherwise sample with ``top_p`` / ``top_k`` as HF does.
         seed / generator: randomness for sampling. A ``generator`` on another device than the
             verifier's (a CPU generator with a CUDA verifier) seeds one on the verifier's device
             with a number drawn from it; without either, a fresh local generator is seeded from
-            the OS (the global torch generators are never reseeded).
-        params: all of ``max_new_tokens`` .. ``seed`` and ``acceptance`` as one
-            :class:`~infer.core.params.SamplingParams` (then those arguments are ignored).
+            the OS (the global torch generators are never reseeded). In a batch, row ``i`` is
+            seeded with ``seed + i``, or with a number drawn from ``generator``.
+        acceptance: ``"exact"`` (lossless, default) or ``"typical"`` (Medusa typical acceptance, lossy).
+        params: ``max_new_tokens`` .. ``acceptance`` as one :class:`~infer.core.params.SamplingParams`
+            (a batch may give one per prompt); giving both ``params`` and any of those is refused.
         tree: overrides the drafter's tree shape.
         eos_token_id: token id(s) that end generation (included in the output, as in HF).
         stop: a string, or strings, that end generation once the decoded output contains one
             (needs ``tokenizer``); the output ends with the token that completed the stop string.
-        acceptance: ``"exact"`` (lossless) or ``"typical"`` (Medusa typical acceptance, lossy).
+        max_batch: rows decoded at once; a longer batch waits and joins as rows end.
     """
-    if params is None:
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, acceptance)
-    max_new_tokens, temperature, top_p, top_k, seed, acceptance = (
-        params.max_new_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.acceptance)
-    ids = check_prompt_ids(input_ids)
-    drafter = drafter or NoDrafter()
-    if not isinstance(verifier, Verifier):
-        verifier = Verifier(verifier)
-    verifier.feature_layers = tuple(drafter.feature_layers)
-    vocab = verifier.vocab_size
-    if int(ids.max()) >= vocab or int(ids.min()) < 0:
-        raise UserError(f"prompt token ids must be in [0, {vocab}) for this verifier")
-    verifier.check_fits(ids.numel() + max_new_tokens)
-    stopper = _Stopper(max_new_tokens, eos_token_id, stop, tokenizer)
-    greedy = params.greedy
-    if not greedy:
-        generator = sampling_generator(verifier.device, seed, generator)
-    return _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, generator, tree, acceptance)
+    given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                 acceptance=acceptance)
+    engine = Engine(verifier, drafter, tree=tree, max_rows=max_batch, spawn=is_batch(input_ids))
+    if not is_batch(input_ids):
+        if isinstance(params, (list, tuple)):
+            raise UserError("one prompt takes one SamplingParams, not a list")
+        engine.add(input_ids, sampling_params(params, **given), eos_token_id=eos_token_id, stop=stop,
+                   tokenizer=tokenizer, generator=generator)
+        return engine.run()
+    prompts = batch_prompts(input_ids)
+    if isinstance(params, (list, tuple)):
+        if given and any(v is not _UNSET for v in given.values()):
+            raise UserError("give either params= or the sampling keyword arguments, not both")
+        if len(params) != len(prompts):
+            raise UserError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one per prompt, or one for all")
+        per_row = list(params)
+    else:
+        one = sampling_params(params, **given)
+        per_row = [one] * len(prompts)
+    for i, (ids, p) in enumerate(zip(prompts, per_row)):
+        if p.seed is not None and not p.greedy:
+            p = SamplingParams(p.max_new_tokens, p.temperature, p.top_p, p.top_k, (p.seed + i) % (MAX_SEED + 1), p.acceptance)
+        row_gen = None
+        if generator is not None:
+            row_gen = torch.Generator(device=generator.device).manual_seed(
+                int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item()))
+        engine.add(ids, p, eos_token_id=eos_token_id, stop=stop, tokenizer=tokenizer, generator=row_gen)
+    return engine.run()
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -224,76 +286,274 @@ def sampling_generator(device, seed: int | None, generator: torch.Generator | No
     return local
 
 
-def _loop(verifier, drafter, ids, stopper, greedy, temperature, top_p, top_k, generator, tree, acceptance):
-    stats = GenerationStats()
-    dev = verifier.device
-    # the engine times every verify pass; a drafter whose cost curve learns from them gets them
-    observe = getattr(getattr(drafter, "cost", None), "observe", None)
-    t0 = time.perf_counter()
-    out = verifier.prefill(ids)
-    drafter.begin(ids, out.features)
-    if greedy:
-        root = int(out.logits[-1].argmax())
-    else:
-        probs = warp_probs(out.logits[-1], max(temperature, 1e-5), top_k, top_p)
-        root = int(torch.multinomial(probs, 1, generator=generator))
-    stats.prefill_s = time.perf_counter() - t0
-    t_dec = time.perf_counter()
-    emitted = stopper.feed([root])
-    stats.new_tokens = len(emitted)
-    while True:
-        stats.decode_s = time.perf_counter() - t_dec
-        stats._finish()  # running values, for live displays
-        if stopper.reason:
-            stats.finish_reason = stopper.reason
-            yield Chunk(emitted, stats)
-            return
-        yield Chunk(emitted, stats)
-        t1 = time.perf_counter()
-        remaining = stopper.max_new - len(stopper.tokens)
-        draft = drafter.propose(root, tree=tree, max_depth=remaining - 1, generator=None if greedy else generator)
-        draft = draft.to(dev)
-        n = draft.tree.num_nodes
-        t2 = time.perf_counter()
-        vout = verifier.verify(draft.tokens, draft.tree)
-        if greedy:
-            acc = greedy_accept(draft.tokens, draft.tree, vout.logits.argmax(-1))
-        elif acceptance == "typical":
-            probs = warp_probs(vout.logits, max(temperature, 1e-5), top_k, top_p)
-            acc = typical_accept(draft.tokens, draft.tree, probs, generator=generator)
+@dataclass
+class _Row:
+    """One generation in the batch: its drafter, stop rule, randomness and running stats."""
+
+    index: int
+    ids: torch.Tensor
+    drafter: Drafter
+    stopper: _Stopper
+    params: SamplingParams
+    generator: torch.Generator | None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    root: int = 0
+    t_decode: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+
+class Engine:
+    """Speculative decoding of many generations at once, with continuous batching.
+
+    :meth:`add` queues a generation; :meth:`step` runs one pass: the queued generations join
+    (their prompts prefilled in one left-padded pass, their first tokens returned), or, when none
+    waits, every running row is drafted, verified in one masked pass and accepted; rows that end
+    (eos, a stop string, their token limit, :meth:`cancel`) leave the batch. One engine owns its
+    verifier's KV cache: drive it from one thread.
+
+    Each row has its own drafter: the engine's own for a single generation (``spawn=False``, so a
+    drafter's learning carries over from one call to the next), else ``drafter.spawn()`` per row.
+    Rows size their trees by the verify-cost curve as a batch of the current size sees it
+    (:class:`~infer.core.cost.BatchCost`): trees shrink as the batch grows, and drafting stops
+    where it cannot pay.
+
+    Args:
+        verifier: a :class:`~infer.core.verifier.Verifier` or an HF causal LM.
+        drafter: the drafter (``None``: plain decoding through the same loop).
+        tree: overrides the drafter's tree shape.
+        max_rows: rows decoded at once; more wait in the queue.
+        spawn: give every row a drafter of its own (``drafter.spawn()``).
+    """
+
+    def __init__(self, verifier, drafter: Drafter | None = None, *, tree: TreeSpec | None = None, max_rows: int = 64,
+                 spawn: bool = True):
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
+            raise UserError(f"max_batch must be a positive integer, not {max_rows!r}")
+        self.drafter = drafter or NoDrafter()
+        self.verifier = verifier if isinstance(verifier, Verifier) else Verifier(verifier)
+        self.verifier.feature_layers = tuple(self.drafter.feature_layers)
+        self.verifier.drop_rows([])  # whatever an unfinished earlier generation left behind
+        self.tree, self.max_rows, self.spawn = tree, max_rows, spawn
+        self.base_cost = self.drafter.cost
+        self.rows: list[_Row] = []
+        self.pending: list[_Row] = []
+        self._cost_rows = 1  # the batch size the rows' cost curves were set for
+        self.last_sizes: tuple[int, ...] = ()  # the rows' tree sizes in the last decode step (for metrics)
+        self._admitted_last = False
+        self._next = 0
+
+    # ---- the queue -----------------------------------------------------------------------------
+
+    def add(self, input_ids, params: SamplingParams | None = None, *, eos_token_id=None, stop=None, tokenizer=None,
+            generator: torch.Generator | None = None) -> int:
+        """Queue a generation of prompt ``input_ids`` (``[L]`` token ids); returns its index (the
+        ``Chunk.index`` of its output). Bad input is refused here with a :class:`UserError`."""
+        params = params or SamplingParams()
+        ids = check_prompt_ids(input_ids)
+        vocab = self.verifier.vocab_size
+        if int(ids.max()) >= vocab or int(ids.min()) < 0:
+            raise UserError(f"prompt token ids must be in [0, {vocab}) for this verifier")
+        self.verifier.check_fits(ids.numel() + params.max_new_tokens)
+        stopper = _Stopper(params.max_new_tokens, eos_token_id, stop, tokenizer)
+        gen = None if params.greedy else sampling_generator(self.verifier.device, params.seed, generator)
+        if self.spawn or self._next > 0:
+            drafter = self.drafter.spawn()
         else:
-            probs = warp_probs(vout.logits, temperature, top_k, top_p)
-            acc = sample_accept(draft.tokens, draft.tree, probs, draft.q, generator)
+            drafter = self.drafter
+        row = _Row(self._next, ids, drafter, stopper, params, gen)
+        self._next += 1
+        self.pending.append(row)
+        return row.index
+
+    def cancel(self, index: int) -> bool:
+        """Stop generation ``index`` at the next step boundary (its row leaves the batch);
+        whether it was still queued or running."""
+        for row in self.pending:
+            if row.index == index:
+                self.pending.remove(row)
+                return True
+        for row in self.rows:
+            if row.index == index:
+                row.cancelled = True
+                return True
+        return False
+
+    def reset(self) -> None:
+        """Drop every generation, running or queued (after a failed step)."""
+        self.rows, self.pending = [], []
+        self.verifier.drop_rows([])
+
+    @property
+    def busy(self) -> bool:
+        """Whether any generation is running or queued."""
+        return bool(self.rows or self.pending)
+
+    def run(self) -> Iterator[Chunk]:
+        """:meth:`step` until every generation has ended, yielding the chunks."""
+        while self.busy:
+            yield from self.step()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Chunk]:
+        """One pass: the queued generations join (when there is room, and not twice in a row
+        while rows are running), else every running row takes one speculative step."""
+        self._leave([r for r in self.rows if r.cancelled])
+        room = self.max_rows - len(self.rows)
+        if self.pending and room > 0 and not (self._admitted_last and self.rows):
+            self._admitted_last = True
+            return self._admit(self.pending[:room])
+        self._admitted_last = False
+        return self._decode() if self.rows else []
+
+    def _admit(self, rows: list[_Row]) -> list[Chunk]:
+        """Prefill ``rows`` in one pass, append them to the batch; their first tokens."""
+        del self.pending[: len(rows)]
+        self.last_sizes = ()
+        if not self.rows:
+            self.verifier.drop_rows([])  # what the last generation left
+        t0 = time.perf_counter()
+        outs = self.verifier.add_rows([r.ids for r in rows])
+        firsts = []
+        for row, out in zip(rows, outs):
+            row.drafter.begin(row.ids, out.features)
+            if row.greedy:
+                firsts.append(out.logits[-1].argmax().view(1))
+            else:
+                p = row.params
+                probs = warp_probs(out.logits[-1], max(p.temperature, 1e-5), p.top_k, p.top_p)
+                firsts.append(torch.multinomial(probs, 1, generator=row.generator))
+        roots = torch.cat(firsts).tolist()  # one read for every new row
+        elapsed = time.perf_counter() - t0
+        now = time.perf_counter()
+        chunks = []
+        for row, root in zip(rows, roots):
+            row.root = root
+            row.stats.prefill_s = elapsed
+            row.t_decode = now
+            emitted = row.stopper.feed([root])
+            row.stats.new_tokens = len(emitted)
+            self.rows.append(row)
+            chunks.append(self._chunk(row, emitted))
+        self._cost_rows = 0  # the new rows' drafters have not been given the batch's curve yet
+        self._leave([r for r in rows if r.stopper.reason])
+        return chunks
+
+    def _chunk(self, row: _Row, emitted: list[int]) -> Chunk:
+        st = row.stats
+        st.decode_s = time.perf_counter() - row.t_decode
+        st._finish()  # running values, for live displays
+        if row.stopper.reason:
+            st.finish_reason = row.stopper.reason
+        return Chunk(emitted, st, row.index)
+
+    def _leave(self, rows: list[_Row]) -> None:
+        """These rows leave the batch (their cache rows are dropped)."""
+        if not rows:
+            return
+        gone = {id(r) for r in rows}
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        if keep or self.pending:  # the last generation's cache stays until the next joins (to be inspected)
+            self.verifier.drop_rows(keep)
+        self.rows = [self.rows[i] for i in keep]
+
+    def _set_costs(self) -> None:
+        """Give every row the cost curve of a batch of the current size (when it changed)."""
+        b = len(self.rows)
+        if self.base_cost is None or b == self._cost_rows:
+            return
+        cost = self.base_cost if b == 1 else BatchCost(self.base_cost, b)
+        for row in self.rows:
+            row.drafter.set_cost(cost)
+        self._cost_rows = b
+
+    def _decode(self) -> list[Chunk]:
+        """One speculative step of every running row."""
+        rows = self.rows
+        self._set_costs()
+        drafts: list[Draft] = []
+        for row in rows:
+            t1 = time.perf_counter()
+            remaining = row.stopper.max_new - len(row.stopper.tokens)
+            drafts.append(row.drafter.propose(row.root, tree=self.tree, max_depth=remaining - 1,
+                                              generator=None if row.greedy else row.generator))
+            row.stats.draft_s += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        trees = stack_drafts(drafts, self.verifier.device)
+        self.last_sizes = trees.sizes
+        out = self.verifier.verify_rows(trees)
+        acc = self._accept(rows, trees, out.logits, drafts)
         t3 = time.perf_counter()  # the acceptance's one read back waited for the verify pass
-        if observe is not None:
-            observe(n, t3 - t2)
-        verifier.commit(acc.nodes, acc.node_ids)
-        feats = vout.features[acc.nodes] if vout.features is not None else None
-        drafter.update(torch.tensor((root,) + acc.tokens[:-1], dtype=torch.long), feats)
-        chunk = list(acc.tokens)
-        emitted = stopper.feed(chunk)
-        stats.draft_s += t2 - t1
-        stats.verify_s += t3 - t2
-        stats.verify_steps += 1
-        stats.tree_nodes += n
-        if len(stats.nodes_hist) <= n:
-            stats.nodes_hist.extend([0] * (n + 1 - len(stats.nodes_hist)))
-        stats.nodes_hist[n] += 1
-        stats.new_tokens += len(emitted)
-        if len(stats.accepted_hist) <= len(chunk):
-            stats.accepted_hist.extend([0] * (len(chunk) + 1 - len(stats.accepted_hist)))
-        stats.accepted_hist[len(chunk)] += 1
-        root = acc.bonus
+        self.drafter.observe_verify(len(rows) * trees.num_nodes, t3 - t2)
+        self.verifier.commit_rows(acc.paths, [a.node_ids for a in acc.rows], acc.lengths)
+        chunks = []
+        for b, (row, a) in enumerate(zip(rows, acc.rows)):
+            feats = out.features[b].index_select(0, a.nodes) if out.features is not None else None
+            row.drafter.update(torch.tensor((row.root,) + a.tokens[:-1], dtype=torch.long), feats)
+            emitted = row.stopper.feed(list(a.tokens))
+            st = row.stats
+            n = trees.sizes[b]
+            st.verify_s += t3 - t2
+            st.verify_steps += 1
+            st.tree_nodes += n
+            if len(st.nodes_hist) <= n:
+                st.nodes_hist.extend([0] * (n + 1 - len(st.nodes_hist)))
+            st.nodes_hist[n] += 1
+            st.new_tokens += len(emitted)
+            k = len(a.tokens)
+            if len(st.accepted_hist) <= k:
+                st.accepted_hist.extend([0] * (k + 1 - len(st.accepted_hist)))
+            st.accepted_hist[k] += 1
+            row.root = a.bonus
+            chunks.append(self._chunk(row, emitted))
+        self._leave([r for r in rows if r.stopper.reason])
+        return chunks
+
+    def _accept(self, rows: list[_Row], trees: TreeBatch, logits: torch.Tensor, drafts: list[Draft]) -> RowsAcceptance:
+        """Every row's acceptance: greedy rows and exactly sampled rows of deterministic drafts
+        at once (one read back each), any other row (a draft with ``q``, typical acceptance) alone."""
+        if all(r.greedy for r in rows):
+            return greedy_accept_rows(trees, logits.argmax(-1))
+        exact = [r.params.acceptance == "exact" and not r.greedy for r in rows]
+        if all(exact) and trees.q is None:
+            p = torch.stack([_probs(r.params, logits[b]) for b, r in enumerate(rows)])
+            return sample_accept_rows(trees, p, [r.generator for r in rows])
+        target = logits.argmax(-1)
+        accs = []
+        for b, row in enumerate(rows):
+            tokens, tree = row_tree(trees, b)
+            if row.greedy:
+                accs.append(greedy_accept(tokens, tree, target[b, : tree.num_nodes]))
+            elif row.params.acceptance == "typical":
+                probs = warp_probs(logits[b, : tree.num_nodes], max(row.params.temperature, 1e-5), row.params.top_k, row.params.top_p)
+                accs.append(typical_accept(tokens, tree, probs, generator=row.generator))
+            else:
+                q = drafts[b].q
+                accs.append(sample_accept(tokens, tree, _probs(row.params, logits[b, : tree.num_nodes]), q, row.generator))
+        return stack_acceptances(accs, trees.num_nodes, self.verifier.device)
 
 
-def generate(verifier, drafter: Drafter | None, input_ids, **kwargs) -> GenerationResult:
-    """Run :func:`stream` to the end; returns the new token ids and the stats.
+def _probs(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
+    """A row's sampling distribution after each node (``logits [N, V]``)."""
+    return warp_probs(logits, params.temperature, params.top_k, params.top_p)
+
+
+def generate(verifier, drafter: Drafter | None, input_ids, **kwargs) -> GenerationResult | list[GenerationResult]:
+    """Run :func:`stream` to the end; returns the new token ids and the stats (a list of them,
+    in prompt order, for a batch).
 
     Takes the same arguments as :func:`stream`.
     """
-    tokens: list[int] = []
-    stats = GenerationStats()
+    batch = is_batch(input_ids)
+    n = len(batch_prompts(input_ids)) if batch else 1
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    stats = [GenerationStats() for _ in range(n)]
     for chunk in stream(verifier, drafter, input_ids, **kwargs):
-        tokens.extend(chunk.token_ids)
-        stats = chunk.stats
-    return GenerationResult(tokens, stats)
+        tokens[chunk.index].extend(chunk.token_ids)
+        stats[chunk.index] = chunk.stats
+    results = [GenerationResult(t, s) for t, s in zip(tokens, stats)]
+    return results if batch else results[0]

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .batch import TreeBatch
 from .errors import UserError
 from .kernels import kernel_context, linear_kernel
 from .tree import Tree
@@ -138,8 +139,30 @@ def check_fits(config, total_length: int, what: str = "prompt plus max_new_token
         )
 
 
+@dataclass(frozen=True)
+class RowsOutput:
+    """What one verifier pass over a batch of rows returns.
+
+    Attributes:
+        logits: ``[B, N, V]``: next-token logits after each node of each row.
+        features: ``[B, N, F, H]`` hidden states at the requested layers, or None.
+    """
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
 class Verifier:
-    """Wraps a causal LM for tree verification.
+    """Wraps a causal LM for tree verification, one row or a batch of rows.
+
+    Every row has its own committed length: the KV cache is one ``[B, H, S, D]`` tensor per layer
+    and row ``b``'s committed tokens lie in columns ``[starts[b], ends[b])``; what lies outside
+    (the left padding of a shorter prompt, the hole left behind a row that accepted fewer tokens
+    than another) is masked out of every pass and never read. Positions are explicit per row
+    (``position_ids`` = committed tokens + depth in the tree). A verify pass appends every row's
+    tree after column ``S = max(ends)``; :meth:`commit_rows` moves each row's accepted nodes to
+    its own end and crops what no row keeps. Rows join (:meth:`add_rows`) and leave
+    (:meth:`drop_rows`) between passes.
 
     Args:
         model: any HF causal LM (Llama, Qwen2/3, Mistral, Gemma families); put in ``eval()``.
@@ -156,11 +179,14 @@ class Verifier:
         self.config = model.config
         self.feature_layers = tuple(feature_layers)
         self.cache: DynamicCache | None = None
-        self.length = 0  # tokens in the KV cache
+        self.starts: list[int] = []  # per row: its first committed cache column
+        self.ends: list[int] = []  # per row: one past its last committed cache column
         embed = model.get_input_embeddings().weight
         self.device: torch.device = embed.device  # where inputs go (read once, not per step)
         self.dtype: torch.dtype = embed.dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._starts_dev = torch.zeros(0, dtype=torch.long, device=self.device)  # the same, on the device
+        self._ends_dev = torch.zeros(0, dtype=torch.long, device=self.device)
         self._mask_min = torch.finfo(self.dtype).min
         self._mask: torch.Tensor | None = None  # reused tree-mask buffer, see _tree_mask
         self._clean = 0  # columns [0, _clean) of the buffer are all 0 (visible)
@@ -170,25 +196,116 @@ class Verifier:
         """Refuse, before any work, a generation whose positions exceed what the model handles."""
         check_fits(self.config, total_length)
 
+    # ---- the rows ------------------------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return len(self.ends)
+
+    @property
+    def width(self) -> int:
+        """``S``: the cache columns every row spans (the longest row's end)."""
+        return max(self.ends, default=0)
+
+    @property
+    def length(self) -> int:
+        """Committed tokens of the only row (the one-row API)."""
+        if self.rows != 1:
+            raise ValueError(f"length is the one-row API; this verifier holds {self.rows} rows")
+        return self.ends[0] - self.starts[0]
+
+    def _compact(self) -> bool:
+        """Whether no row has masked columns (every row spans ``[0, S)``): the plain causal case."""
+        s = self.width
+        return all(a == 0 for a in self.starts) and all(e == s for e in self.ends)
+
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> VerifierOutput:
-        """Run the prompt ``[L]`` from an empty cache; logits ``[1, V]`` for the last position."""
-        self.cache = ReservedCache()
-        ids = input_ids.to(self.device).view(1, -1)
-        with kernel_context(self.kernel, ids.shape[1]):
+        """Run one prompt ``[L]`` from an empty cache (the one-row API); logits ``[1, V]`` for
+        the last position, features ``[L, F, H]``."""
+        self.cache = None
+        self.starts, self.ends = [], []
+        return self.add_rows([input_ids])[0]
+
+    @torch.inference_mode()
+    def add_rows(self, prompts: Sequence[torch.Tensor]) -> list[VerifierOutput]:
+        """Prefill new rows, one per prompt ``[L_r]``, in one left-padded pass, and append them to
+        the batch (after the rows already there). Returns per new row its last position's logits
+        ``[1, V]`` and its features ``[L_r, F, H]`` (or None)."""
+        lengths = [int(p.numel()) for p in prompts]
+        width = max(lengths)
+        pads = [width - n for n in lengths]
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, pads[r]:] = p.to(torch.long).cpu()
+        cache = ReservedCache()
+        kwargs = {}
+        if any(pads):  # left padding: a 2D mask and explicit positions per row
+            keep = torch.arange(width)[None, :] >= torch.tensor(pads)[:, None]
+            kwargs["attention_mask"] = keep.long().to(self.device, non_blocking=True)
+            kwargs["position_ids"] = (torch.arange(width)[None, :] - torch.tensor(pads)[:, None]).clamp(min=0).to(
+                self.device, non_blocking=True)
+        with kernel_context(self.kernel, ids.numel()):
             out = self.model(
-                input_ids=ids,
+                input_ids=ids.to(self.device, non_blocking=True),
                 use_cache=True,
                 output_hidden_states=bool(self.feature_layers),
                 logits_to_keep=1,
-                **{self._cache_kw: self.cache},
+                **kwargs,
+                **{self._cache_kw: cache},
             )
-        self.length = ids.shape[1]
-        return VerifierOutput(out.logits[0], self._features(out))
+        if any(pads):  # the padding's keys/values are masked out of every later pass: make them finite zeros
+            for layer in cache_layers(cache):
+                for r, pad in enumerate(pads):
+                    if pad:
+                        layer.keys[r, :, :pad] = 0.0
+                        layer.values[r, :, :pad] = 0.0
+        self._merge(cache, pads, width)
+        feats = self._features(out)
+        return [VerifierOutput(out.logits[r], feats[r, pads[r]:] if feats is not None else None) for r in range(len(prompts))]
+
+    def _merge(self, cache: DynamicCache, pads: list[int], width: int) -> None:
+        """Append the rows of ``cache`` (``width`` columns, row ``r`` starting at ``pads[r]``) to
+        the batch, padding the shorter of the two on the right (masked holes)."""
+        if self.cache is None or not self.ends:
+            self.cache, self.starts, self.ends = cache, list(pads), [width] * len(pads)
+        else:
+            s = max(self.width, width)
+            for old, new in zip(cache_layers(self.cache), cache_layers(cache)):
+                old.keys, old.values = (torch.cat([_right_pad(a, s), _right_pad(b, s)]) for a, b in
+                                        ((old.keys, new.keys), (old.values, new.values)))
+            self.starts += list(pads)
+            self.ends += [width] * len(pads)
+        self._sync_rows()
+
+    def _sync_rows(self) -> None:
+        """The rows' starts and ends on the device (after a host change of the batch)."""
+        both = torch.tensor([self.starts, self.ends], dtype=torch.long).to(self.device, non_blocking=True)
+        self._starts_dev, self._ends_dev = both[0], both[1]
+
+    def drop_rows(self, keep: Sequence[int]) -> None:
+        """Keep only the rows ``keep`` (indices, in the order given); the others leave the batch."""
+        keep = list(keep)
+        if keep == list(range(self.rows)):
+            return
+        if not keep:
+            self.cache, self.starts, self.ends = None, [], []
+            self._sync_rows()
+            return
+        index = torch.tensor(keep, dtype=torch.long).to(self.device, non_blocking=True)
+        self.starts = [self.starts[i] for i in keep]
+        self.ends = [self.ends[i] for i in keep]
+        s = self.width
+        for layer in cache_layers(self.cache):
+            layer.keys = layer.keys.index_select(0, index)[:, :, :s]
+            layer.values = layer.values.index_select(0, index)[:, :, :s]
+        self._sync_rows()
+
+    # ---- a verify pass -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, tree: Tree) -> VerifierOutput:
-        """Score every node of a draft tree in one forward pass.
+        """Score every node of one draft tree in one forward pass (the one-row API).
 
         Args:
             tokens: ``[N]`` node tokens (node 0 = the root, the newest token not yet in the cache).
@@ -197,26 +314,59 @@ class Verifier:
         Returns logits ``[N, V]`` (the verifier's next-token logits after each node) and features.
         The tree's keys and values are appended to the cache until :meth:`commit`.
         """
-        n, past = tree.num_nodes, self.length
         tree = tree.to(self.device)
-        # one node sees the whole prefix: the model's own causal mask is that, and cheaper to build
-        mask = self._tree_mask(tree, past) if n > 1 else None
-        with kernel_context(self.kernel, n):
+        out = self._forward(tokens.to(self.device, non_blocking=True).view(1, -1), tree.ancestor_mask[None],
+                            tree.depths[None], tree.num_nodes)
+        return VerifierOutput(out.logits[0], out.features[0] if out.features is not None else None)
+
+    @torch.inference_mode()
+    def verify_rows(self, trees: TreeBatch) -> RowsOutput:
+        """Score every node of every row's tree (``trees``: one per row, in row order) in one
+        forward pass. Returns logits ``[B, N, V]`` and features ``[B, N, F, H]``; the trees' keys
+        and values are appended to the cache until :meth:`commit_rows`."""
+        if trees.rows != self.rows:
+            raise ValueError(f"{trees.rows} trees for {self.rows} rows")
+        return self._forward(trees.tokens, trees.ancestor_mask, trees.depths, trees.num_nodes)
+
+    def _forward(self, tokens: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor, n: int) -> RowsOutput:
+        """The pass over ``tokens [B, N]`` with tree ``ancestors [B, N, N]`` and ``depths [B, N]``."""
+        b, s = self.rows, self.width
+        if self._compact():
+            positions = depths + s
+            if b == 1:  # one node sees the whole prefix: the model's own causal mask is that, and cheaper
+                mask = self._tree_mask(ancestors[0], s) if n > 1 else None
+            else:
+                mask = self._rows_mask(ancestors)
+        else:
+            positions = depths + (self._ends_dev - self._starts_dev)[:, None]
+            mask = self._rows_mask(ancestors)
+        with kernel_context(self.kernel, b * n):
             out = self.model(
-                input_ids=tokens.to(self.device, non_blocking=True).view(1, n),
+                input_ids=tokens,
                 attention_mask=mask,
-                position_ids=(tree.depths + past).view(1, n),
+                position_ids=positions,
                 use_cache=True,
                 output_hidden_states=bool(self.feature_layers),
                 **{self._cache_kw: self.cache},
             )
-        return VerifierOutput(out.logits[0], self._features(out))
+        return RowsOutput(out.logits, self._features(out))
 
-    def _tree_mask(self, tree: Tree, past: int) -> torch.Tensor:
-        """Additive mask ``[1, 1, N, past + N]``: every node sees the ``past`` cached positions and
-        its own ancestors. A view into a buffer reused across steps: only the new tree's block is
-        written (and the columns that the last tree dirtied, now committed prefix, are cleared)."""
-        n = tree.num_nodes
+    def _rows_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """Additive mask ``[B, 1, N, S + N]``: row ``b``'s nodes see its committed columns
+        ``[starts[b], ends[b])`` and their own ancestors, nothing else."""
+        b, n, _ = ancestors.shape
+        cols = torch.arange(self.width, device=self.device)
+        seen = (cols >= self._starts_dev[:, None]) & (cols < self._ends_dev[:, None])  # [B, S]
+        allowed = torch.cat([seen[:, None, :].expand(b, n, -1), ancestors], dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._mask_min)
+        return mask[:, None]
+
+    def _tree_mask(self, ancestors: torch.Tensor, past: int) -> torch.Tensor:
+        """Additive mask ``[1, 1, N, past + N]`` of one compact row: every node sees the ``past``
+        cached positions and its own ancestors. A view into a buffer reused across steps: only
+        the new tree's block is written (and the columns that the last tree dirtied, now
+        committed prefix, are cleared)."""
+        n = ancestors.shape[0]
         buf = self._mask
         if buf is None or buf.shape[0] < n or buf.shape[1] < past + n:
             rows = max(64, n, 0 if buf is None else buf.shape[0])
@@ -227,32 +377,70 @@ class Verifier:
             buf[:, self._clean : past] = 0.0
         block = buf[:n, past : past + n]
         block.fill_(self._mask_min)
-        block.masked_fill_(tree.ancestor_mask, 0.0)
+        block.masked_fill_(ancestors, 0.0)
         self._clean = past
         return buf[:n, : past + n][None, None]
+
+    # ---- keeping the accepted paths ------------------------------------------------------------
 
     @torch.inference_mode()
     def commit(self, nodes: torch.Tensor, node_ids: Sequence[int] | None = None) -> None:
         """Keep only the accepted ``nodes`` (``[k]`` tree indices, root first) of the last verified
-        tree in the cache: their keys/values move in place to follow the prefix, the rest is cut.
-        ``node_ids``: the same indices on the host, if known (saves a device read)."""
-        k = int(nodes.shape[0])
-        src = nodes.to(self.device, non_blocking=True) + self.length
-        start = self.length
-        self.length += k
+        tree in the cache (the one-row API): their keys/values move in place to follow the
+        prefix, the rest is cut. ``node_ids``: the same indices on the host, if known (saves a
+        device read)."""
         ids = list(node_ids) if node_ids is not None else nodes.tolist()
-        if ids != list(range(k)):  # else a prefix of the tree: nothing moves
+        self.commit_rows(nodes.to(self.device, non_blocking=True).view(1, -1), [ids])
+
+    @torch.inference_mode()
+    def commit_rows(self, paths: torch.Tensor, node_ids: Sequence[Sequence[int]], lengths: torch.Tensor | None = None) -> None:
+        """Keep every row's accepted path of the last verified trees.
+
+        Args:
+            paths: ``[B, K]`` long on the device: row ``b``'s accepted node indices, root first, in
+                its first ``k_b`` entries (the rest is ignored).
+            node_ids: per row, the same ``k_b`` indices on the host.
+            lengths: ``[B]`` the ``k_b`` on the device, if known there (else copied from the host).
+
+        Row ``b``'s accepted keys and values move to columns ``[ends[b], ends[b] + k_b)``;
+        everything past the longest row is cropped."""
+        s = self.width
+        ks = [len(ids) for ids in node_ids]
+        if self.rows == 1:
+            k_dev = ks[0]  # a number: the ends below move without a copy
+        else:
+            k_dev = lengths if lengths is not None else torch.tensor(ks, dtype=torch.long).to(self.device, non_blocking=True)
+        prefix = all(list(ids) == list(range(len(ids))) for ids in node_ids)
+        if not (prefix and all(e == s for e in self.ends)):  # else every accepted node is in place already
+            kmax = paths.shape[1]
+            j = torch.arange(kmax, device=self.device)
+            dst = self._ends_dev[:, None] + j  # [B, K]
+            src = s + paths
+            if self.rows > 1:
+                src = torch.where(j < k_dev[:, None], src, dst)  # past a row's path: a harmless self-copy
             for layer in cache_layers(self.cache):
-                layer.keys[:, :, start : start + k] = layer.keys.index_select(2, src)
-                layer.values[:, :, start : start + k] = layer.values.index_select(2, src)
+                for t in (layer.keys, layer.values):
+                    shape = (t.shape[0], t.shape[1], kmax, t.shape[3])
+                    moved = t.gather(2, src[:, None, :, None].expand(shape))
+                    t.scatter_(2, dst[:, None, :, None].expand(shape), moved)
+        self.ends = [e + k for e, k in zip(self.ends, ks)]
+        self._ends_dev = self._ends_dev + k_dev
         self.rollback()
 
     def rollback(self) -> None:
-        """Drop whatever the cache holds beyond the committed tokens (an unaccepted tree)."""
-        crop_cache(self.cache, self.length)
+        """Drop whatever the cache holds beyond the longest row (an unaccepted tree)."""
+        crop_cache(self.cache, self.width)
 
     def _features(self, out) -> torch.Tensor | None:
+        """``[B, T, F, H]``: the requested layers' hidden states at every input position."""
         if not self.feature_layers:
             return None
         hs = out.hidden_states
-        return torch.stack([hs[i][0] for i in self.feature_layers], dim=1)
+        return torch.stack([hs[i] for i in self.feature_layers], dim=2)
+
+
+def _right_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t [B, H, S, D]`` padded with zeros to ``width`` columns (masked holes)."""
+    if t.shape[2] >= width:
+        return t
+    return torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], width - t.shape[2], t.shape[3])], dim=2)

@@ -17,6 +17,7 @@ accepted then costs one probe every few dozen steps instead of a pass every step
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -63,6 +64,14 @@ class BlockDrafter(Drafter):
         self.cache = ReservedCache()
         self.length = 0
         self._pending: list[torch.Tensor] = []
+
+    def spawn(self) -> BlockDrafter:
+        """A drafter for another concurrent generation: the same head, tables and cost curve;
+        its own context cache and gates."""
+        new = copy.copy(self)
+        new.gates, new._last, new._pending = Gates(), None, []
+        new.cache, new.length = ReservedCache(), 0
+        return new
 
     def begin(self, prompt_ids, features) -> None:
         self.cache = ReservedCache()

@@ -14,6 +14,7 @@ pass; the committed tokens it missed are fed to it in one batch when it drafts a
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,12 @@ class MedusaDrafter(Drafter):
         self.tree = tree or load_tree_spec("medusa-16")
         self._feat: torch.Tensor | None = None
         self._trees: dict = {}
+
+    def spawn(self) -> MedusaDrafter:
+        """A drafter for another concurrent generation: the same heads, its own last feature."""
+        new = copy.copy(self)
+        new._feat = None
+        return new
 
     def begin(self, prompt_ids, features) -> None:
         self._feat = features[-1, 0]
@@ -168,6 +175,14 @@ class EagleDrafter(Drafter):
         self._last: tuple | None = None
         self.cache = ReservedCache()
         self.length = 0
+
+    def spawn(self) -> EagleDrafter:
+        """A drafter for another concurrent generation: the same head, embeddings and cost
+        curve; its own KV cache, calibration and gates."""
+        new = copy.copy(self)
+        new._calibration, new.gates, new._last = {}, Gates(), None
+        new.cache, new.length = ReservedCache(), 0
+        return new
 
     # ---- the committed context -----------------------------------------------------------------
 

@@ -85,6 +85,14 @@ class UnionDrafter(Drafter):
             index[i] = j  # fills: no copy from host memory
         return features.index_select(1, index)
 
+    def spawn(self) -> UnionDrafter:
+        return UnionDrafter([d.spawn() for d in self.drafters])
+
+    def set_cost(self, cost) -> None:
+        for d in self.drafters:
+            d.set_cost(cost)
+        self.cost = cost if self.cost is not None else None
+
     def begin(self, prompt_ids, features) -> None:
         for d in self.drafters:
             d.begin(prompt_ids, self._features_for(d, features))

@@ -112,11 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_placement(c)
     c.add_argument("--json", action="store_true")
 
+    from .serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _add_common, _add_placement)
+    from .loadgen import add_parser as add_loadgen_parser
+
+    add_loadgen_parser(sub)
     s = sub.add_parser("selfcheck", help="check the engine on a device and measure it (make gpu-check): one JSON and one PNG")
     s.add_argument("--device", default="cpu")
     s.add_argument("--out", required=True, help="output directory (selfcheck.json, selfcheck.png)")
     s.add_argument("--small", action="store_true", help="small shapes (a CPU dry run, as CI does)")
-    s.add_argument("--parts", default="identity,speed,cli")
+    s.add_argument("--parts", default="identity,speed,batch,cli")
     s.add_argument("--prompts", default=None, help="prompt file for the command-line part (default: the bundled unseen prompts)")
     return parser
 
@@ -607,9 +613,9 @@ def cmd_selfcheck(args) -> int:
     from .selfcheck import run_selfcheck
 
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(parts) - {"identity", "speed", "cli"}
+    unknown = set(parts) - {"identity", "speed", "batch", "cli"}
     if not parts or unknown:
-        raise UserError(f"--parts: choose from identity, speed, cli (got {args.parts!r})")
+        raise UserError(f"--parts: choose from identity, speed, batch, cli (got {args.parts!r})")
     resolve_device(args.device)
     out = check_output_dir(args.out, "--out")
     results = run_selfcheck(args.device, out, small=args.small, parts=parts, prompts=args.prompts)
@@ -618,13 +624,27 @@ def cmd_selfcheck(args) -> int:
     return 1 if errors else 0
 
 
+def cmd_loadgen(args) -> int:
+    from .loadgen import cmd_loadgen as loadgen
+
+    return loadgen(args)
+
+
+def cmd_serve(args) -> int:
+    from .serve import cmd_serve as serve
+
+    _check_drafts(args.draft)
+    return serve(args, _load, _drafter, _tree)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["distill"]:  # its options belong to train/distill.py
         return cmd_distill(argv[1:])
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "bench": cmd_bench, "cost": cmd_cost, "chat": cmd_chat, "train": cmd_train,
-                "push": cmd_push, "export": cmd_export, "selfcheck": cmd_selfcheck}
+                "push": cmd_push, "export": cmd_export, "selfcheck": cmd_selfcheck, "serve": cmd_serve,
+                "loadgen": cmd_loadgen}
     try:
         if hasattr(args, "linear"):  # a CPU kernel for a GPU run: refused before anything else
             from ..core.kernels import check_kernel_device

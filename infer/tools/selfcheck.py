@@ -21,6 +21,10 @@ Parts (``--parts``, default all):
   (:class:`~infer.core.diagnostics.HostReadCounter`) and, on CUDA, the warnings of one decoding loop
   under ``torch.cuda.set_sync_debug_mode("warn")`` (``cuda_sync_warnings``); the verify-cost
   curve for 1..128 nodes at two prefix lengths.
+* ``batch``: batched generation on the same verifier at batch 1, 4 and 16 (prompts of different
+  lengths): tokens/s of plain batched decoding, of an oracle chain per row and of HF ``generate``
+  on the same left-padded batch; how many rows equal their prompt run alone; the syncs per verify
+  step of a batch of 4.
 * ``cli``: the command line end to end on ``random:smollm2-135m`` (``--small``:
   ``tiny-random:llama``): ``distill`` tokens/s at a large batch, ``accelerate launch`` training
   s/step of the EAGLE-3 recipe (bf16 on a GPU), and ``bench --verify-cost``.
@@ -207,28 +211,39 @@ def _cpu_generator_sampling(device: torch.device) -> bool:
     return runs[0] == runs[1] and len(runs[0]) == 12 and torch.equal(state, torch.get_rng_state())
 
 
-def part_speed(device: torch.device, small: bool, record) -> dict:
+def _speed_model(device: torch.device, small: bool, shared: dict):
+    """The speed and batch parts' verifier (made once per selfcheck): ``(model, name, dtype)``."""
+    if "model" not in shared:
+        from ..core.models import random_model
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if small:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            cfg = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
+            with torch.random.fork_rng(devices=[]), torch.device(device):
+                torch.manual_seed(0)
+                model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+            shared["model"] = (model, "small-llama", dtype)
+        else:
+            shared["model"] = (random_model("llama-3.1-8b", dtype=dtype, device=device), "random:llama-3.1-8b", dtype)
+    return shared["model"]
+
+
+def part_speed(device: torch.device, small: bool, record, shared: dict | None = None) -> dict:
     from ..core.cost import VerifyCost, measure_verify_cost
     from ..core.diagnostics import HostReadCounter
     from ..core.drafter import NoDrafter
     from ..core.engine import generate
-    from ..core.models import random_model
     from ..core.tree import DynamicTreeSpec
     from ..drafting.head_drafters import EagleDrafter
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, name, dtype = _speed_model(device, small, {} if shared is None else shared)
     if small:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        cfg = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
-        with torch.random.fork_rng(devices=[]), torch.device(device):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-        name, prompt_len, n_new, prefixes, nodes = "small-llama", 64, 16, (64, 128), (1, 2, 4, 8, 16)
+        prompt_len, n_new, prefixes, nodes = 64, 16, (64, 128), (1, 2, 4, 8, 16)
     else:
-        model = random_model("llama-3.1-8b", dtype=dtype, device=device)
-        name, prompt_len, n_new, prefixes, nodes = "random:llama-3.1-8b", 512, 128, (512, 2048), (1, 2, 4, 8, 16, 32, 64, 128)
+        prompt_len, n_new, prefixes, nodes = 512, 128, (512, 2048), (1, 2, 4, 8, 16, 32, 64, 128)
     res = record({"verifier": name, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": prompt_len, "new_tokens": n_new})
     vocab = model.config.vocab_size
     for prefix in prefixes:
@@ -239,8 +254,13 @@ def part_speed(device: torch.device, small: bool, record) -> dict:
     curve_data = res[f"cost_prefix{prefixes[0]}"]["relative"]
     curve = VerifyCost(tuple(curve_data), tuple(max(curve_data[n], 1.0) for n in curve_data))
     ids = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    t_hf, ref = _timed(lambda: _hf_greedy(model, ids, n_new), device)
+    t_hf, hf_ref = _timed(lambda: _hf_greedy(model, ids, n_new), device)
     res["hf_generate_tok_s"] = round(n_new / t_hf, 2)
+    # the oracle drafts the engine's own greedy output: in bf16 on random weights near-tied logits
+    # make HF's and the engine's greedy outputs part early (a one-token pass and HF's differ in
+    # rounding), and an oracle of HF's output would then be rejected from there on
+    ref = generate(model, NoDrafter(), ids, max_new_tokens=n_new).token_ids
+    res["engine_equals_hf_greedy_tokens"] = next((i for i, (a, b) in enumerate(zip(ref, hf_ref)) if a != b), len(ref))
     runs = res["engine"] = {}
 
     def run(label, make, ideal_nodes=None):
@@ -251,7 +271,7 @@ def part_speed(device: torch.device, small: bool, record) -> dict:
                 counted = generate(model, make(), ids, max_new_tokens=min(n_new, 16)).stats
             steps = max(1, counted.verify_steps)
             row = {"tok_s": round(n_new / t, 2), "speedup_vs_hf": round(t_hf / t, 3), "tau": round(st.mean_accepted, 3),
-                   "identical": out.token_ids == ref, "nodes_per_step": round(st.tree_nodes / max(1, st.verify_steps), 1),
+                   "identical": out.token_ids == ref, "identical_to_hf": out.token_ids == hf_ref, "nodes_per_step": round(st.tree_nodes / max(1, st.verify_steps), 1),
                    "draft_ms_per_step": round(1e3 * st.draft_s / max(1, st.verify_steps), 3),
                    "verify_ms_per_step": round(1e3 * st.verify_s / max(1, st.verify_steps), 3),
                    "host_reads": reads.total, "syncs_per_step": round(reads.total / steps, 2),
@@ -280,6 +300,81 @@ def part_speed(device: torch.device, small: bool, record) -> dict:
         if "draft_ms_per_step" in r and r["verify_ms_per_step"]:
             r["draft_over_verify"] = round(r["draft_ms_per_step"] / r["verify_ms_per_step"], 3)
     return res
+
+
+def part_batch(device: torch.device, small: bool, record, shared: dict | None = None) -> dict:
+    """Batched generation on the speed part's verifier: at batch 1, 4 and 16 (prompts of
+    different lengths), tokens/s of plain batched decoding, of an oracle chain of 3 per row, and
+    of HF ``generate`` on the same left-padded batch; whether every row equals the same prompt
+    run alone through the engine; the syncs per verify step of a batch of 4 with prompt lookup
+    (dispatch level)."""
+    from ..core.diagnostics import HostReadCounter
+    from ..core.drafter import NoDrafter
+    from ..core.engine import Engine, generate
+    from ..core.params import SamplingParams
+    from ..core.verifier import Verifier
+
+    model, name, dtype = _speed_model(device, small, {} if shared is None else shared)
+    vocab = model.config.vocab_size
+    n_new = 16 if small else 64
+    sizes = (1, 4, 16)
+    lengths = [int(x) for x in torch.randint(32, 64 if small else 512, (max(sizes),), generator=torch.Generator().manual_seed(1))]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    res = record({"verifier": name, "dtype": str(dtype).removeprefix("torch."), "new_tokens": n_new, "prompt_tokens": lengths})
+    alone = [generate(model, NoDrafter(), p, max_new_tokens=n_new).token_ids for p in prompts]
+    refs = {tuple(p.tolist()): r for p, r in zip(prompts, alone)}
+
+    class RowOracle(OracleDrafter):
+        """An oracle chain of 3 that finds its row's continuation by its prompt."""
+
+        def __init__(self):
+            super().__init__([], 0, _chain(3), vocab=vocab, device=device)
+
+        def spawn(self):
+            return RowOracle()
+
+        def begin(self, prompt_ids, features=None):
+            self.ref, self.prompt_len = refs[tuple(prompt_ids.tolist())], prompt_ids.numel()
+            super().begin(prompt_ids, features)
+
+    rows = res["batch"] = {}
+    for b in sizes:
+        batch = prompts[:b]
+        row = {}
+        for label, make in (("none", NoDrafter), ("oracle_chain3", RowOracle)):
+            t, out = _timed(lambda make=make, batch=batch: generate(model, make(), batch, max_new_tokens=n_new), device)
+            row[f"{label}_tok_s"] = round(b * n_new / t, 1)
+            row[f"{label}_identical_rows"] = sum(o.token_ids == r for o, r in zip(out, alone[:b]))
+            row[f"{label}_tau"] = round(sum(o.stats.mean_accepted for o in out) / b, 2)
+        t_hf, _ = _timed(lambda batch=batch: _hf_batch(model, batch, n_new), device)
+        row["hf_generate_tok_s"] = round(b * n_new / t_hf, 1)
+        rows[str(b)] = row
+        record(res)
+    engine = Engine(Verifier(model), PromptLookupDrafter())  # the drafter the shipped `auto` builds on every verifier
+    for p in prompts[:4]:
+        engine.add(p, SamplingParams(max_new_tokens=n_new))
+    engine.step()  # the admission
+    counts = []
+    while len(engine.rows) == 4:
+        with HostReadCounter(device) as reads:
+            engine.step()
+        counts.append(reads.total)
+    res["syncs_per_step_batch4"] = max(counts) if counts else None
+    return res
+
+
+def _hf_batch(model, prompts: list[torch.Tensor], n: int):
+    """HF ``generate`` on a left-padded batch (the throughput reference)."""
+    dev = model.get_input_embeddings().weight.device
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - p.numel():] = p
+        mask[r, width - p.numel():] = 1
+    return model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
 
 
 def _cli(args: list[str], timeout: int, env=None) -> dict:
@@ -384,7 +479,7 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_selfcheck(device: str, out: str | Path, *, small: bool = False, parts=("identity", "speed", "cli"),
+def run_selfcheck(device: str, out: str | Path, *, small: bool = False, parts=("identity", "speed", "batch", "cli"),
                   prompts: str | Path | None = None) -> dict:
     """Run the parts, writing ``out/selfcheck.json`` after each; returns the results."""
     from heads.io import write_atomic
@@ -404,7 +499,12 @@ def run_selfcheck(device: str, out: str | Path, *, small: bool = False, parts=("
     def save() -> None:
         write_atomic(out / "selfcheck.json", lambda p: p.write_text(json.dumps(results, indent=1, default=str)))
 
+    shared: dict = {}  # the verifier the speed and batch parts share (made once)
     for name in parts:
+        if name == "cli":
+            shared.clear()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         t0 = time.perf_counter()
 
         def record(partial: dict, name=name) -> dict:
@@ -415,10 +515,8 @@ def run_selfcheck(device: str, out: str | Path, *, small: bool = False, parts=("
         try:
             if name == "identity":
                 record(part_identity(dev, small))
-            elif name == "speed":
-                part_speed(dev, small, record)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+            elif name in ("speed", "batch"):
+                (part_speed if name == "speed" else part_batch)(dev, small, record, shared)
             elif name == "cli":
                 part_cli(dev, small, out, prompts, record)
             else:

@@ -1,0 +1,241 @@
+"""Batched speculative generation: every row of a batch is its own generation.
+
+Greedy: each row is token-identical to HF greedy and to the same prompt run alone, with oracle,
+wrong, half-right and prompt-lookup drafters, on every tiny family, with prompts of very different
+lengths in one batch (left padding, rows that accept different numbers of tokens and leave at
+different steps). Sampling: each row follows the verifier's distribution exactly (chi-square).
+Rows join a running batch (continuous batching) without changing anyone's output.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import VOCAB, forked_map, hf_greedy
+from infer import generate, stream
+from infer.core.cost import BatchCost, VerifyCost
+from infer.core.drafter import Drafter, NoDrafter
+from infer.core.engine import Engine
+from infer.core.params import SamplingParams
+from infer.core.verifier import Verifier
+from infer.drafting.lookup import PromptLookupDrafter
+from infer.tools.selfcheck import OracleDrafter
+
+LENGTHS = (3, 17, 40, 9)
+
+
+def prompts(lengths=LENGTHS, seed=0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+class PerPromptOracle(Drafter):
+    """An :class:`OracleDrafter` per prompt: at :meth:`begin` it picks the continuation of the prompt
+    it was given (so one drafter, spawned per row, knows every row's continuation)."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], parents, p_right=1.0, seed=0):
+        self.refs, self.parents, self.p_right, self.seed = refs, parents, p_right, seed
+        self.inner = None
+
+    def spawn(self):
+        return copy.deepcopy(self)
+
+    def begin(self, prompt_ids, features=None):
+        key = tuple(prompt_ids.tolist())
+        self.inner = OracleDrafter(self.refs[key], len(key), self.parents, p_right=self.p_right, seed=self.seed)
+        self.inner.begin(prompt_ids, features)
+
+    def update(self, tokens, features=None):
+        self.inner.update(tokens, features)
+
+    def propose(self, root, *, tree=None, max_depth=8, generator=None):
+        return self.inner.propose(root, tree=tree, max_depth=max_depth, generator=generator)
+
+
+TREE = [-1, 0, 1, 2, 0, 4, 1, 6, 0, 3]
+
+
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "half", "pld", "none"])
+def test_batched_greedy_rows_equal_hf_greedy_and_single_rows(tiny_model, kind):
+    ps = prompts()
+    n_new = 24
+    refs = [hf_greedy(tiny_model, p, n_new) for p in ps]
+    by_prompt = {tuple(p.tolist()): r for p, r in zip(ps, refs)}
+    make = {
+        "oracle": lambda: PerPromptOracle(by_prompt, TREE),
+        "wrong": lambda: PerPromptOracle(by_prompt, TREE, p_right=0.0),
+        "half": lambda: PerPromptOracle(by_prompt, TREE, p_right=0.5, seed=3),
+        "pld": lambda: PromptLookupDrafter(max_ngram=2, adaptive=False),
+        "none": lambda: None,
+    }[kind]
+    out = generate(tiny_model, make(), ps, max_new_tokens=n_new)
+    assert [r.token_ids for r in out] == refs
+    alone = [generate(tiny_model, make(), p, max_new_tokens=n_new).token_ids for p in ps]
+    assert alone == refs
+    if kind == "oracle":  # the oracle's whole paths were accepted in the batch too
+        assert all(r.stats.mean_accepted > 2.5 for r in out), [r.stats.mean_accepted for r in out]
+
+
+def test_rows_end_at_their_own_stop_conditions(llama):
+    ps = prompts((5, 30, 12))
+    refs = [hf_greedy(llama, p, 30) for p in ps]
+    eos = refs[1][7]  # row 1 stops at its 8th token; the others go on unless they meet it too
+    limits = [SamplingParams(max_new_tokens=n) for n in (30, 30, 11)]
+    out = generate(llama, PromptLookupDrafter(adaptive=False), ps, params=limits, eos_token_id=eos)
+    for r, ref, lim in zip(out, refs, (30, 30, 11)):
+        want = ref[:lim]
+        if eos in want:
+            want = want[: want.index(eos) + 1]
+        assert r.token_ids == want
+        assert r.stats.finish_reason == ("eos" if want[-1] == eos else "length")
+
+
+def test_a_batch_of_one_tensor_and_of_mixed_lists(llama):
+    ps = prompts((6, 6, 6))
+    stacked = torch.stack(ps)
+    a = generate(llama, None, stacked, max_new_tokens=8)
+    b = generate(llama, None, [p.tolist() for p in ps], max_new_tokens=8)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b] == [hf_greedy(llama, p, 8) for p in ps]
+
+
+def test_rows_join_a_running_batch_without_changing_anyones_output(llama):
+    ps = prompts((4, 25, 11, 33, 7))
+    refs = [hf_greedy(llama, p, 20) for p in ps]
+    by_prompt = {tuple(p.tolist()): r for p, r in zip(ps, refs)}
+    engine = Engine(Verifier(llama), PerPromptOracle(by_prompt, TREE, p_right=0.7, seed=1), max_rows=3)
+    got: dict[int, list[int]] = {}
+    index = {}
+    index[engine.add(ps[0], SamplingParams(max_new_tokens=20))] = 0
+    index[engine.add(ps[1], SamplingParams(max_new_tokens=20))] = 1
+    steps, sizes = 0, []
+    while engine.busy:
+        if steps == 3:  # two more arrive mid-way: one joins now, one waits for a free row (max_rows=3)
+            index[engine.add(ps[2], SamplingParams(max_new_tokens=20))] = 2
+            index[engine.add(ps[3], SamplingParams(max_new_tokens=20))] = 3
+        if steps == 6:
+            index[engine.add(ps[4], SamplingParams(max_new_tokens=20))] = 4
+        for chunk in engine.step():
+            got.setdefault(index[chunk.index], []).extend(chunk.token_ids)
+        sizes.append(len(engine.rows))
+        steps += 1
+    assert [got[i] for i in range(5)] == refs
+    assert max(sizes) == 3
+
+
+def test_a_cancelled_row_leaves_and_the_others_are_unchanged(llama):
+    ps = prompts((8, 20, 14))
+    refs = [hf_greedy(llama, p, 16) for p in ps]
+    engine = Engine(Verifier(llama), PromptLookupDrafter(adaptive=False))
+    ids = [engine.add(p, SamplingParams(max_new_tokens=16)) for p in ps]
+    got = {i: [] for i in ids}
+    steps = 0
+    while engine.busy:
+        if steps == 4:
+            assert engine.cancel(ids[1])
+        for c in engine.step():
+            got[c.index].extend(c.token_ids)
+        steps += 1
+    assert got[ids[0]] == refs[0] and got[ids[2]] == refs[2]
+    assert got[ids[1]] == refs[1][: len(got[ids[1]])] and len(got[ids[1]]) < 16
+    assert not engine.cancel(ids[1])
+
+
+def test_stream_of_a_batch_names_each_chunk_by_prompt(llama):
+    ps = prompts((5, 9))
+    seen = {0: [], 1: []}
+    for chunk in stream(llama, None, ps, max_new_tokens=6):
+        seen[chunk.index].extend(chunk.token_ids)
+    assert seen == {0: hf_greedy(llama, ps[0], 6), 1: hf_greedy(llama, ps[1], 6)}
+
+
+def test_params_and_keyword_arguments_together_are_refused(llama):
+    from infer import UserError
+
+    with pytest.raises(UserError, match="not both"):
+        stream(llama, None, prompts((4,))[0], params=SamplingParams(), max_new_tokens=3)
+    with pytest.raises(UserError, match="one per prompt"):
+        stream(llama, None, prompts((4, 5)), params=[SamplingParams()])
+
+
+def test_batch_cost_shrinks_trees_as_the_batch_grows():
+    base = VerifyCost((1, 4, 16, 64, 256), (1.0, 1.1, 1.6, 4.0, 15.0))
+    assert BatchCost(base, 1)(8) == pytest.approx(base(8))
+    # four nodes per row: 1.1x a plain step for one row, 2.5x for a batch of 16 (16 -> 64 rows)
+    assert base(4) == pytest.approx(1.1) and BatchCost(base, 16)(4) == pytest.approx(4.0 / 1.6)
+    pld = PromptLookupDrafter(max_ngram=2)
+    pld.begin(torch.tensor([1, 2, 3, 4] * 6))
+    pld.update(torch.tensor([1]))
+    for acc, want in ((0.9, True), (0.9, False)):
+        pld._stats = {2: (acc * 100, (1 - acc) * 100)}
+        pld.set_cost(base if want else BatchCost(base, 64))
+        tokens, _ = pld.propose_host(2, max_depth=8)
+        assert (len(tokens) > 1) == want, (acc, len(tokens))
+
+
+def test_sync_points_per_step_of_a_batch_of_four_stay_bounded(llama):
+    """At most 8 syncs per verify step for a batch of 4 (the acceptance's one read back, the
+    batch's one draft copy, the accepted tokens handed to each row's drafter), counted at the
+    dispatch level as the single-row tests do."""
+    from infer.core.diagnostics import HostReadCounter
+
+    ps = prompts((6, 15, 9, 22))
+    for drafter in (NoDrafter(), PromptLookupDrafter(adaptive=False)):
+        engine = Engine(Verifier(llama), drafter)
+        for p in ps:
+            engine.add(p, SamplingParams(max_new_tokens=12))
+        engine.step()  # the admission (prefill) pass
+        counts = []
+        while len(engine.rows) == 4:
+            with HostReadCounter() as reads:
+                engine.step()
+            counts.append(reads.total)
+        assert counts and max(counts) <= 8, counts
+
+
+def test_left_padded_prefill_equals_each_prompt_alone(tiny_model):
+    ps = prompts((2, 31, 12))
+    v = Verifier(tiny_model, feature_layers=(-1,))
+    outs = v.add_rows(ps)
+    for p, out in zip(ps, outs):
+        alone = Verifier(tiny_model, feature_layers=(-1,)).prefill(p)
+        torch.testing.assert_close(out.logits, alone.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.features, alone.features, atol=1e-4, rtol=1e-4)
+    assert v.starts == [29, 0, 19] and v.ends == [31, 31, 31]
+
+
+# ---- sampling: exact per row ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dynamic", "without_replacement"])
+def test_batched_sampling_follows_the_verifier_per_row(small_vocab_model, mode):
+    """The chi-square test of the single-row path, on rows of batches: 6 rows of the test prompt
+    and 2 longer filler rows per batch (padding, holes), every row seeded on its own.
+    ``dynamic``: deterministic drafts (one batched acceptance); ``without_replacement``: drafts
+    with q (each row accepted on its own)."""
+    from test_sampling import PROMPT, Q_FAR, FixedQDrafter, chi_square_pvalue, exact_joint, tally
+
+    temperature, top_k, top_p = 1.0, 0, 1.0
+    drafter = FixedQDrafter(Q_FAR, mode=mode)
+    filler = [torch.tensor([3, 1, 4, 1, 5, 2, 6, 5, 3]), torch.tensor([2, 7])]
+    rows = 6
+
+    def draw(seed):
+        batch = [PROMPT] * rows + filler
+        out = generate(small_vocab_model, drafter, batch, max_new_tokens=3, temperature=temperature, seed=seed * 16)
+        return [r.token_ids for r in out[:rows]]
+
+    samples = [s for chunk in forked_map(draw, range(2500 // rows + 1)) for s in chunk]
+    counts = tally(samples)
+    exact = exact_joint(small_vocab_model, temperature, top_k, top_p)
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    from infer.core.models import tiny_random_model
+
+    return tiny_random_model("llama", vocab_size=8, hidden_size=32, seed=3, initializer_range=0.5)
