@@ -53,9 +53,10 @@ rehearsal: setup
 # a trained head and its checkpoints) are deleted afterwards so that only the JSON and PNG come back.
 GPU_OUT   ?= results/gpu-check
 GPU_LIMIT ?= 300
+GPU_PARTS ?= identity,speed,batch,cli
 gpu-check:
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$(CURDIR)" timeout $(GPU_LIMIT) \
-		$(PYTHON) -m infer.tools.cli selfcheck --device cuda --out "$(GPU_OUT)"; rc=$$?; rm -rf "$(GPU_OUT)/cli"; exit $$rc
+		$(PYTHON) -m infer.tools.cli selfcheck --device cuda --parts $(GPU_PARTS) --out "$(GPU_OUT)"; rc=$$?; rm -rf "$(GPU_OUT)/cli"; exit $$rc
 
 # DeepSpeed ZeRO-2 and ZeRO-3 executed on 2 CPU processes (no GPU needed): the tiny recipe through
 # `accelerate launch` with configs/accelerate/deepspeed-zero{2,3}-cpu.yaml, against a 1-process run of
