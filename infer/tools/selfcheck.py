@@ -211,8 +211,16 @@ def _cpu_generator_sampling(device: torch.device) -> bool:
     return runs[0] == runs[1] and len(runs[0]) == 12 and torch.equal(state, torch.get_rng_state())
 
 
+#: The speed parts' random verifier has its output projection scaled by this: random weights give
+#: nearly flat logits, whose near-ties bf16 rounding flips (on an H200 the engine's own greedy
+#: output was not the same from one run to the next, and an oracle drafting it was rejected);
+#: with margins this wide the greedy continuation is stable, so oracle drafts measure speed.
+DECISIVE = 16.0
+
+
 def _speed_model(device: torch.device, small: bool, shared: dict):
-    """The speed and batch parts' verifier (made once per selfcheck): ``(model, name, dtype)``."""
+    """The speed and batch parts' verifier (made once per selfcheck): ``(model, name, dtype)``,
+    its logits made decisive (:data:`DECISIVE`)."""
     if "model" not in shared:
         from ..core.models import random_model
 
@@ -228,6 +236,8 @@ def _speed_model(device: torch.device, small: bool, shared: dict):
             shared["model"] = (model, "small-llama", dtype)
         else:
             shared["model"] = (random_model("llama-3.1-8b", dtype=dtype, device=device), "random:llama-3.1-8b", dtype)
+        with torch.no_grad():  # decisive logits: random weights give near-ties that rounding flips (see the docstring)
+            shared["model"][0].get_output_embeddings().weight.mul_(DECISIVE)
     return shared["model"]
 
 
