@@ -56,3 +56,16 @@ def test_text_helper_and_chat_template(default):
     ids = encode_prompt(default.tokenizer, "hi")
     assert "<|im_start|>assistant" in default.tokenizer.decode(ids)
     assert torch.equal(encode_prompt(default.tokenizer, "hi", chat=False), torch.tensor(default.tokenizer("hi")["input_ids"]))
+
+
+def test_a_batch_of_the_shipped_auto_equals_hf_greedy_per_row(default):
+    """The shipped ``auto`` drafter (the EAGLE-3 head and prompt lookup, trees sized by the
+    measured cost curve of the whole batch) on prompts of different lengths in one batch: every
+    row is HF's greedy output."""
+    from infer.drafting.loading import load_drafter
+
+    eos = eos_ids(default.model, default.tokenizer)
+    prompts = [encode_prompt(default.tokenizer, p) for p in PROMPTS + ["Hi", "Name three colours of the rainbow, then stop."]]
+    refs = [hf_generate(default.model, ids, 40, eos) for ids in prompts]
+    out = generate(default.model, load_drafter("auto", default.model), prompts, max_new_tokens=40, eos_token_id=eos)
+    assert [r.token_ids for r in out] == refs
