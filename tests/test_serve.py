@@ -282,3 +282,19 @@ def test_serve_refuses_bad_flags_before_loading(capsys):
     assert code == 2 and "--max-seqs must be a positive integer" in err and "Traceback" not in err
     code, out, err = run_cli(["serve", "--verifier", "tiny-random:llama", "--port", "70000"], capsys)
     assert code == 2 and "--port" in err
+
+
+def test_the_load_generator_measures_a_local_server_and_refuses_others(server):
+    from infer import UserError
+    from infer.tools import loadgen
+
+    with pytest.raises(UserError, match="only sends load to this machine"):
+        loadgen.check_url("http://example.com:8000")
+    assert loadgen.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5 and loadgen.percentile([], 0.5) is None
+    res = loadgen.run({"a": (server.url, NAME), "b": (server.url, NAME)}, ["hello", "one two three"], [1, 2], 3, 8)
+    for label in ("a", "b"):
+        for level in ("1", "2"):
+            row = res[label][level]
+            assert row["requests"] == 3 and row["failed"] == 0 and row["tokens"] == 24, row
+            assert row["tokens_per_s"] > 0 and row["ttft_p50_s"] > 0 and row["nodes_per_row_step"] >= 1.0
+    assert "| a | 2 |" in loadgen.table(res)

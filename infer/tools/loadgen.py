@@ -1,11 +1,13 @@
 """``specheads loadgen``: bounded load on a local ``specheads serve``, measured per request.
 
-    specheads loadgen --url http://127.0.0.1:8000 --prompts configs/prompts/unseen.jsonl \\
-        --concurrency 1,4,16 --requests 16 --max-tokens 128 --out results/serve.json
+    specheads loadgen --url auto=http://127.0.0.1:8001 --url none=http://127.0.0.1:8002 \\
+        --prompts configs/prompts/unseen.jsonl --concurrency 1,4,16 --requests 16 --max-tokens 128 \\
+        --out results/serve.json --plot results/serve.png
 
 For each concurrency ``c``: ``c`` clients, each sending its next streamed chat request as soon as
 the last one ended, until ``--requests`` requests are done (the prompts in file order, repeated
-if needed; greedy). Per request: time to first token (TTFT) and time per output token after it
+if needed; greedy). Several servers (``--url LABEL=URL``, repeated) take turns at every level, so
+that a comparison is measured side by side in one run. Per request: time to first token (TTFT) and time per output token after it
 (TPOT); per level: throughput (tokens/s over all requests), p50/p95 of both, and from the
 server's ``/metrics`` the mean tree nodes per row per verify step during the level (1.0: the
 server did not draft at all) and the mean tokens per verify step (tau). Loopback addresses only:
@@ -139,16 +141,21 @@ def _r(x):
     return None if x is None else round(x, 4)
 
 
-def run(url: str, prompts: list[str], levels: list[int], requests: int, max_tokens: int, model: str,
+def run(servers: dict[str, tuple[str, str]], prompts: list[str], levels: list[int], requests: int, max_tokens: int,
         timeout: float = 600.0) -> dict:
-    """Every concurrency level in turn against the server at ``url``; the levels' summaries."""
-    url = check_url(url)
-    out = {}
-    asyncio.run(_level(url, model, prompts, 1, 1, 4, timeout))  # warm-up: the server's first request pays for lazy work
-    for c in levels:
-        before = _counters(url)
-        samples, wall = asyncio.run(_level(url, model, prompts, c, requests, max_tokens, timeout))
-        out[str(c)] = summarize(samples, wall, before, _counters(url))
+    """Every concurrency level against every server (``{label: (url, model)}``), interleaved: at
+    each level the servers take turns (in alternating order from one level to the next), so that
+    machine noise hits them alike; returns ``{label: {level: summary}}``."""
+    out: dict[str, dict] = {label: {} for label in servers}
+    for url, model in servers.values():  # warm-up: a server's first request pays for lazy work
+        asyncio.run(_level(check_url(url), model, prompts, 1, 1, 4, timeout))
+    for i, c in enumerate(levels):
+        order = list(servers) if i % 2 == 0 else list(reversed(servers))
+        for label in order:
+            url, model = servers[label]
+            before = _counters(url)
+            samples, wall = asyncio.run(_level(url, model, prompts, c, requests, max_tokens, timeout))
+            out[label][str(c)] = summarize(samples, wall, before, _counters(url))
     return out
 
 
@@ -179,14 +186,15 @@ def plot(results: dict, path: Path) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("loadgen", help="bounded load on a local `specheads serve` (loopback only): throughput and "
                                        "TTFT / per-token latency at several concurrency levels")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="the model id to send (default: the server's only one)")
+    p.add_argument("--url", action="append", default=None,
+                   help="a server, or LABEL=URL (repeatable: the servers take turns at every level, for a side-by-side "
+                        "comparison in one run); default http://127.0.0.1:8000")
     p.add_argument("--prompts", required=True, help="JSONL prompt file (the bench's format)")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--label", default="run", help="the name of this run in --out (runs with other labels are kept)")
+    p.add_argument("--label", default="run", help="the name of a run given by a plain --url in --out")
     p.add_argument("--out", required=True, help="JSON file: {label: {concurrency: summary}} (merged with what is there)")
     p.add_argument("--plot", default=None, help="PNG of every run in --out")
 
@@ -195,7 +203,12 @@ def cmd_loadgen(args) -> int:
     from .files import check_output_file
     from .prompts import read_prompts
 
-    url = check_url(args.url)
+    urls = {}
+    for spec in args.url or ["http://127.0.0.1:8000"]:
+        label, _, url = spec.partition("=") if "=" in spec.split("://")[0] else (args.label, "", spec)
+        if label in urls:
+            raise UserError(f"--url: the label {label!r} is given twice")
+        urls[label] = check_url(url)
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
@@ -212,18 +225,21 @@ def cmd_loadgen(args) -> int:
         raise UserError(f"{args.prompts} holds no prompts")
     import httpx
 
-    try:
-        model = args.model or httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError):
-        raise UserError(f"no specheads server answers at {url}: start one with `specheads serve`") from None
-    results = run(url, prompts, levels, args.requests, args.max_tokens, model)
+    servers = {}
+    for label, url in urls.items():
+        try:
+            servers[label] = (url, httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            raise UserError(f"no specheads server answers at {url}: start one with `specheads serve`") from None
+    results = run(servers, prompts, levels, args.requests, args.max_tokens)
     from heads.io import write_atomic
 
     merged = json.loads(out.read_text()) if out.exists() else {}
-    merged[args.label] = results
+    merged.update(results)
     write_atomic(out, lambda p: p.write_text(json.dumps(merged, indent=1)))
-    for c, row in results.items():
-        print(json.dumps({"label": args.label, "concurrency": int(c), **row}))
+    for label, levels_ in results.items():
+        for c, row in levels_.items():
+            print(json.dumps({"label": label, "concurrency": int(c), **row}))
     if args.plot:
         plot(merged, Path(args.plot))
     return 0
