@@ -239,3 +239,21 @@ def small_vocab_model():
     from infer.core.models import tiny_random_model
 
     return tiny_random_model("llama", vocab_size=8, hidden_size=32, seed=3, initializer_range=0.5)
+
+
+def test_a_batch_stops_drafting_where_drafting_measures_slower():
+    from infer.core.cost import SpecPolicy
+
+    for spec_rate, plain_rate in ((50.0, 80.0), (90.0, 80.0)):
+        policy = SpecPolicy(max_pause=32)
+        choices = []
+        for _ in range(400):
+            drafted = policy.draft(16)
+            choices.append(drafted)
+            policy.record(16, drafted, int(spec_rate if drafted else plain_rate), 1.0)
+        late = choices[100:]
+        if spec_rate < plain_rate:  # plain from then on, but for probes at most one step in 32
+            assert 0 < sum(late) <= len(late) / 32 + 1, sum(late)
+        else:
+            assert all(late)
+    assert SpecPolicy().draft(1)  # a single row is left to its drafter's own gate

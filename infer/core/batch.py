@@ -103,7 +103,7 @@ def stack_drafts(drafts: Sequence[Draft], device) -> TreeBatch:
         valid = torch.ones(1, n, dtype=torch.bool, device=device)
         return TreeBatch(d.tokens[None], t.parents[None], t.depths[None], t.ancestor_mask[None], valid, None, sizes,
                          t.max_depth, t.width)
-    if not all(made) and all(d.host is not None and d.q is None for d in drafts):  # one copy for the batch
+    if (not all(made) or n == 1) and all(d.host is not None and d.q is None for d in drafts):  # one copy for the batch
         packed, max_depth, width = _host_pack([d.host for d in drafts], n)
         packed = torch.from_numpy(packed).to(device, non_blocking=True)
         tokens, parents, depths, valid = (packed[:, i * n : (i + 1) * n] for i in range(4))

@@ -232,3 +232,66 @@ def expected_tokens(alpha: float, depth: int) -> float:
 def best_chain_depth(alpha: float, max_depth: int, cost: VerifyCost) -> int:
     """The chain depth in ``0..max_depth`` that maximises expected tokens per verify cost."""
     return max(range(max_depth + 1), key=lambda d: (expected_tokens(alpha, d) / cost(d + 1), -d))
+
+
+@dataclass
+class _Rate:
+    """An exponential moving average of tokens per second, and how many steps it has seen."""
+
+    ema: float = 0.0
+    steps: int = 0
+
+
+class SpecPolicy:
+    """Whether a batched step drafts at all (dynamic speculation): measured, not modelled.
+
+    Per batch-size bucket (2, 3-4, 5-8, 9-16, 17-32, more) it keeps the throughput (tokens
+    emitted by all rows over the step's wall time, drafting included) of steps that drafted and of
+    steps that did not. Each kind is tried ``warmup`` times first; then the batch drafts while
+    drafting is at least as fast, and otherwise decodes plainly, probing drafting again after a
+    pause that doubles with every probe that loses (up to ``max_pause`` steps, so a probe costs at
+    most one step in that many). A single row always drafts (its drafter's own gate decides)."""
+
+    BUCKETS = (1, 2, 4, 8, 16, 32, 1 << 30)
+
+    def __init__(self, *, alpha: float = 0.25, warmup: int = 3, max_pause: int = 64):
+        self.alpha, self.warmup, self.max_pause = alpha, warmup, max_pause
+        self._rates: dict[tuple[int, bool], _Rate] = {}
+        self._pause: dict[int, int] = {}
+        self._skip: dict[int, int] = {}
+
+    def _bucket(self, rows: int) -> int:
+        return next(i for i, top in enumerate(self.BUCKETS) if rows <= top)
+
+    def draft(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows drafts."""
+        if rows < 2:
+            return True
+        b = self._bucket(rows)
+        spec, plain = self._rates.get((b, True), _Rate()), self._rates.get((b, False), _Rate())
+        if spec.steps < self.warmup or plain.steps < self.warmup:
+            return spec.steps <= plain.steps
+        if spec.ema >= plain.ema:
+            self._pause[b] = 1
+            return True
+        if self._skip.get(b, 0) > 0:
+            self._skip[b] -= 1
+            return False
+        pause = self._pause.get(b, 1)  # probe now, then pause longer if this probe loses too
+        self._skip[b] = pause
+        self._pause[b] = min(2 * pause, self.max_pause)
+        return True
+
+    def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A step of ``rows`` rows (that drafted or not) emitted ``tokens`` in ``seconds``."""
+        if rows < 2 or not seconds > 0:
+            return
+        r = self._rates.setdefault((self._bucket(rows), drafted), _Rate())
+        rate = tokens / seconds
+        r.ema = rate if r.steps == 0 else (1 - self.alpha) * r.ema + self.alpha * rate
+        r.steps += 1
+
+    def state(self) -> dict:
+        """The measured rates per bucket, for benchmark records."""
+        return {f"{self.BUCKETS[b - 1] + 1 if b else 1}-{self.BUCKETS[b]} rows, {'draft' if d else 'plain'}": round(r.ema, 2)
+                for (b, d), r in sorted(self._rates.items())}

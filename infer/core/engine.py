@@ -29,8 +29,8 @@ from .accept import (
     warp_probs,
 )
 from .batch import TreeBatch, stack_drafts
-from .cost import BatchCost
-from .drafter import Draft, Drafter, NoDrafter
+from .cost import BatchCost, SpecPolicy
+from .drafter import Draft, Drafter, NoDrafter, host_draft
 from .errors import UserError
 from .params import MAX_SEED, SamplingParams
 from .tree import TreeSpec
@@ -319,7 +319,8 @@ class Engine:
     drafter's learning carries over from one call to the next), else ``drafter.spawn()`` per row.
     Rows size their trees by the verify-cost curve as a batch of the current size sees it
     (:class:`~infer.core.cost.BatchCost`): trees shrink as the batch grows, and drafting stops
-    where it cannot pay.
+    where it cannot pay; and a batch drafts only while drafting has measured faster than plain
+    decoding at its size (:class:`~infer.core.cost.SpecPolicy`, dynamic speculation).
 
     Args:
         verifier: a :class:`~infer.core.verifier.Verifier` or an HF causal LM.
@@ -327,10 +328,12 @@ class Engine:
         tree: overrides the drafter's tree shape.
         max_rows: rows decoded at once; more wait in the queue.
         spawn: give every row a drafter of its own (``drafter.spawn()``).
+        policy: whether a batched step drafts at all (default: a fresh
+            :class:`~infer.core.cost.SpecPolicy`, which measures it).
     """
 
     def __init__(self, verifier, drafter: Drafter | None = None, *, tree: TreeSpec | None = None, max_rows: int = 64,
-                 spawn: bool = True):
+                 spawn: bool = True, policy: SpecPolicy | None = None):
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise UserError(f"max_batch must be a positive integer, not {max_rows!r}")
         self.drafter = drafter or NoDrafter()
@@ -339,10 +342,12 @@ class Engine:
         self.verifier.drop_rows([])  # whatever an unfinished earlier generation left behind
         self.tree, self.max_rows, self.spawn = tree, max_rows, spawn
         self.base_cost = self.drafter.cost
+        self.policy = policy if policy is not None else SpecPolicy()
         self.rows: list[_Row] = []
         self.pending: list[_Row] = []
         self._cost_rows = 1  # the batch size the rows' cost curves were set for
         self.last_sizes: tuple[int, ...] = ()  # the rows' tree sizes in the last decode step (for metrics)
+        self.last_drafted = False  # whether the last decode step drafted (for metrics)
         self._admitted_last = False
         self._next = 0
 
@@ -475,12 +480,17 @@ class Engine:
         """One speculative step of every running row."""
         rows = self.rows
         self._set_costs()
+        t0 = time.perf_counter()
+        drafting = self.last_drafted = self.policy.draft(len(rows))
         drafts: list[Draft] = []
         for row in rows:
             t1 = time.perf_counter()
-            remaining = row.stopper.max_new - len(row.stopper.tokens)
-            drafts.append(row.drafter.propose(row.root, tree=self.tree, max_depth=remaining - 1,
-                                              generator=None if row.greedy else row.generator))
+            if drafting:
+                remaining = row.stopper.max_new - len(row.stopper.tokens)
+                drafts.append(row.drafter.propose(row.root, tree=self.tree, max_depth=remaining - 1,
+                                                  generator=None if row.greedy else row.generator))
+            else:  # the batch decodes plainly this step: no drafter runs (each catches up when it next drafts)
+                drafts.append(host_draft((row.root,), (-1,)))
             row.stats.draft_s += time.perf_counter() - t1
         t2 = time.perf_counter()
         trees = stack_drafts(drafts, self.verifier.device)
@@ -510,6 +520,7 @@ class Engine:
             st.accepted_hist[k] += 1
             row.root = a.bonus
             chunks.append(self._chunk(row, emitted))
+        self.policy.record(len(rows), drafting, sum(len(a.tokens) for a in acc.rows), time.perf_counter() - t0)
         self._leave([r for r in rows if r.stopper.reason])
         return chunks
 

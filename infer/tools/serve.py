@@ -215,6 +215,8 @@ class Metrics:
                              registry=r)
         self.tau = Gauge("specheads_tau", "tokens per verify step of the last step's rows (mean accepted length)", registry=r)
         self.batch = Gauge("specheads_batch_size", "rows in the last engine step", registry=r)
+        self.drafting = Gauge("specheads_drafting", "1 when the last decode step drafted (the batch's measured choice)",
+                              registry=r)
         self.running = Gauge("specheads_running_requests", "requests decoding", registry=r)
         self.waiting = Gauge("specheads_queue_length", "requests waiting for a row", registry=r)
         self.step_s = Histogram("specheads_step_seconds", "wall time of one engine step", registry=r,
@@ -229,6 +231,7 @@ class Metrics:
         self.generated.inc(emitted)
         sizes = loop.engine.last_sizes
         if sizes:  # a decode step (not an admission)
+            self.drafting.set(int(loop.engine.last_drafted))
             self.verify_steps.inc(len(sizes))
             self.nodes.inc(sum(sizes))
             self.accepted.inc(emitted)
