@@ -245,7 +245,7 @@ def test_a_batch_stops_drafting_where_drafting_measures_slower():
     from infer.core.cost import SpecPolicy
 
     for spec_rate, plain_rate in ((50.0, 80.0), (90.0, 80.0)):
-        policy = SpecPolicy(max_pause=32)
+        policy = SpecPolicy(first_pause=4, max_pause=32)
         choices = []
         for _ in range(400):
             drafted = policy.draft(16)

@@ -245,17 +245,20 @@ class _Rate:
 class SpecPolicy:
     """Whether a batched step drafts at all (dynamic speculation): measured, not modelled.
 
-    Per batch-size bucket (2, 3-4, 5-8, 9-16, 17-32, more) it keeps the throughput (tokens
+    Per batch-size bucket (2-4, 5-8, 9-16, 17-32, more rows) it keeps the throughput (tokens
     emitted by all rows over the step's wall time, drafting included) of steps that drafted and of
     steps that did not. Each kind is tried ``warmup`` times first; then the batch drafts while
-    drafting is at least as fast, and otherwise decodes plainly, probing drafting again after a
-    pause that doubles with every probe that loses (up to ``max_pause`` steps, so a probe costs at
-    most one step in that many). A single row always drafts (its drafter's own gate decides)."""
+    drafting is faster by ``margin`` (a tie decodes plainly: plain decoding is the safe side), and
+    otherwise decodes plainly, probing drafting again after a pause that starts at ``first_pause``
+    steps and doubles with every probe that loses (up to ``max_pause``, so that probes cost at most
+    one step in that many). A single row always drafts (its drafter's own gate decides)."""
 
-    BUCKETS = (1, 2, 4, 8, 16, 32, 1 << 30)
+    BUCKETS = (1, 4, 8, 16, 32, 1 << 30)
 
-    def __init__(self, *, alpha: float = 0.25, warmup: int = 3, max_pause: int = 64):
-        self.alpha, self.warmup, self.max_pause = alpha, warmup, max_pause
+    def __init__(self, *, alpha: float = 0.25, warmup: int = 2, margin: float = 0.05, first_pause: int = 4,
+                 max_pause: int = 256):
+        self.alpha, self.warmup, self.margin = alpha, warmup, margin
+        self.first_pause, self.max_pause = first_pause, max_pause
         self._rates: dict[tuple[int, bool], _Rate] = {}
         self._pause: dict[int, int] = {}
         self._skip: dict[int, int] = {}
@@ -271,13 +274,13 @@ class SpecPolicy:
         spec, plain = self._rates.get((b, True), _Rate()), self._rates.get((b, False), _Rate())
         if spec.steps < self.warmup or plain.steps < self.warmup:
             return spec.steps <= plain.steps
-        if spec.ema >= plain.ema:
-            self._pause[b] = 1
+        if spec.ema > (1.0 + self.margin) * plain.ema:
+            self._pause[b] = self.first_pause
             return True
         if self._skip.get(b, 0) > 0:
             self._skip[b] -= 1
             return False
-        pause = self._pause.get(b, 1)  # probe now, then pause longer if this probe loses too
+        pause = self._pause.get(b, self.first_pause)  # probe now, then pause longer if this probe loses too
         self._skip[b] = pause
         self._pause[b] = min(2 * pause, self.max_pause)
         return True

@@ -8,7 +8,7 @@ For each concurrency ``c``: ``c`` clients, each sending its next streamed chat r
 the last one ended, until ``--requests`` requests are done (the prompts in file order, repeated
 if needed; greedy). Several servers (``--url LABEL=URL``, repeated) take turns at every level, so
 that a comparison is measured side by side in one run. Per request: time to first token (TTFT) and time per output token after it
-(TPOT); per level: throughput (tokens/s over all requests), p50/p95 of both, and from the
+(TPOT); per level, after a warm-up of ``c`` short requests at that concurrency: throughput (tokens/s over all requests), p50/p95 of both, and from the
 server's ``/metrics`` the mean tree nodes per row per verify step during the level (1.0: the
 server did not draft at all) and the mean tokens per verify step (tau). Loopback addresses only:
 the generator refuses to send load anywhere else.
@@ -153,6 +153,8 @@ def run(servers: dict[str, tuple[str, str]], prompts: list[str], levels: list[in
         order = list(servers) if i % 2 == 0 else list(reversed(servers))
         for label in order:
             url, model = servers[label]
+            # warm-up at this concurrency (a server learns per batch size whether drafting pays): c short requests
+            asyncio.run(_level(url, model, prompts, c, c, 16, timeout))
             before = _counters(url)
             samples, wall = asyncio.run(_level(url, model, prompts, c, requests, max_tokens, timeout))
             out[label][str(c)] = summarize(samples, wall, before, _counters(url))
