@@ -1,6 +1,6 @@
 """A rehearsal of the GPU image that ``make gpu-check`` runs on, on this CPU machine.
 
-The image (issue 20) has Python 3.12, torch 2.11 (CUDA 13), transformers 5.17, accelerate 1.15,
+The GPU image has Python 3.12, torch 2.11 (CUDA 13), transformers 5.17, accelerate 1.15,
 peft, safetensors, tensorboard, huggingface_hub, pyarrow, tqdm and matplotlib; no ``datasets``,
 no ``gguf``, no specheads install and no network. The rehearsal is a virtual environment with:
 

@@ -1,4 +1,4 @@
-"""Fair baselines in every benchmark table (issue 20, point 6): HF ``generate`` also runs on the
+"""Fair baselines in every benchmark table: HF ``generate`` also runs on the
 engine's own linear kernel (``vanilla[onednn]``), and ``make bench`` reads prompts shipped in
 the repository (Spec-Bench, with its license note), never ``../shared``."""
 

@@ -1,4 +1,4 @@
-"""Distilled data and the runs that write it (issue 21, 3-5, 12, 15-17; issue 22, 1): the data names
+"""Distilled data and the runs that write it: the data names
 its verifier and settings and a mismatch is refused; one writer per file or output directory;
 children end with the command; bad files are one line naming the place and the limit; training
 reads compressed files and directories of parts."""
@@ -394,7 +394,7 @@ def test_size_limits_name_the_limit(tmp_path, monkeypatch, capsys, no_loading, l
     one_line(capsys, "not a regular file", prefix="train_heads: error: ")
 
 
-# ------------------------------------------------------------------ issue 22: compressed data, parts
+# ------------------------------------------------------------------ compressed data, parts
 
 
 def test_compressed_files_and_directories_of_parts_read_the_same(tmp_path, llama_data):

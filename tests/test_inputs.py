@@ -124,7 +124,6 @@ def test_bench_keeps_each_prompt_and_resumes(tmp_path, prompts, capsys, monkeypa
 def test_the_api_refuses_what_it_cannot_do():
     model = tiny_random_model("llama", vocab_size=256, seed=1)
     for ids, message in [
-        (torch.zeros(2, 5, dtype=torch.long), "batches are not supported"),
         (torch.zeros(1, 2, 5, dtype=torch.long), "shape"),
         (torch.tensor([1.0, 2.5]), "integer token ids"),
         (torch.tensor([True, False]), "integer token ids"),
@@ -133,6 +132,8 @@ def test_the_api_refuses_what_it_cannot_do():
         with pytest.raises(UserError, match=message):
             generate(model, None, ids, max_new_tokens=2)
     assert len(generate(model, None, torch.tensor([[1, 2, 3]]), max_new_tokens=2).token_ids) == 2
+    rows = generate(model, None, torch.zeros(2, 5, dtype=torch.long), max_new_tokens=2)  # [B, L]: a batch
+    assert [len(r.token_ids) for r in rows] == [2, 2]
 
 
 @pytest.mark.parametrize("kwargs, message", [

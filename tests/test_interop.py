@@ -309,7 +309,7 @@ def medusa2_checkpoint(model, directory):
 
 
 def test_export_never_mixes_with_a_previous_export(tmp_path, llama, capsys):
-    """Issue 21: an EAGLE export into a directory that held a Medusa-2 export kept its adapter/,
+    """An EAGLE export into a directory that held a Medusa-2 export kept its adapter/,
     and --draft merged it: the output left the verifier's. Now a non-empty --out is refused, and
     --force replaces it as a whole."""
     m2 = medusa2_checkpoint(llama, tmp_path / "m2")

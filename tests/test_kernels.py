@@ -111,9 +111,9 @@ def _forwards(stock, onednn):
 
 @pytest.mark.parametrize("measured,forwards,expected", [
     (FASTER_ON_ONEDNN, _forwards((0.080, 0.090, 0.100), (0.070, 0.075, 0.080)), "onednn"),
-    # the session-26 AVX2 CPU: oneDNN wins the output projection and tree passes, a one-token forward is slower on it
+    # the 2-core AVX2 EPYC CPU: oneDNN wins the output projection and tree passes, a one-token forward is slower on it
     (FASTER_ON_ONEDNN, _forwards((0.067, 0.120, 0.110), (0.078, 0.080, 0.085)), "hybrid"),
-    # the session-29 Xeon with AMX: oneDNN wins the output projection, every whole forward is slower on it
+    # a Xeon with AMX: oneDNN wins the output projection, every whole forward is slower on it
     (FASTER_ON_ONEDNN, _forwards((0.031, 0.034, 0.058), (0.050, 0.061, 0.068)), "stock"),
     # faster on 8 tokens, slower on 2: the tree-sized forwards are judged summed
     (FASTER_ON_ONEDNN, _forwards((0.031, 0.034, 0.070), (0.030, 0.061, 0.060)), "stock"),

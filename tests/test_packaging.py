@@ -57,3 +57,15 @@ def test_default_head_ships_small_and_in_half_precision():
     assert cfg["verifier"]["name"] == "default" and cfg["training"]["steps"] > 0
     assert "_name_or_path" not in cfg["layer_config"]  # no path of the machine that trained it
     assert "estimated tau" in (d / "README.md").read_text()
+
+
+def test_children_find_the_packages_and_the_shipped_prompts():
+    """``python -m`` children get the directory that holds heads/, infer/ and train/ on their path,
+    and the selfcheck's default prompts ship inside ``infer``."""
+    from importlib import resources
+
+    from infer.tools.procs import child_env, package_root
+
+    assert all((package_root() / name / "__init__.py").is_file() for name in ("heads", "infer", "train"))
+    assert str(package_root()) in child_env({})["PYTHONPATH"].split(":") or "site-packages" in str(package_root())
+    assert (resources.files("infer") / "presets" / "prompts" / "unseen.jsonl").is_file()

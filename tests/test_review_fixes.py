@@ -1,4 +1,4 @@
-"""Fixes found by reading the code (issue 20, point 5), each pinned by a test that failed before:
+"""Fixes found by reading the code, each pinned by a test that failed before:
 sampling never reseeds the global generators and takes a generator on any device; tau does
 not count the prefill's token; a oneDNN kernel on a GPU is refused; ``--compare`` times
 sampling against sampling; a union member that reports ``q`` is named in a warning;
@@ -44,7 +44,7 @@ def test_a_generator_on_another_device_seeds_one_on_the_verifiers():
     assert sampling_generator(cpu, None, g) is g  # already there
     fresh = sampling_generator(cpu, 5, None)
     assert torch.equal(fresh.get_state(), torch.Generator().manual_seed(5).get_state())
-    if torch.cuda.is_available():  # the crash of issue 20: a CPU generator with a CUDA verifier
+    if torch.cuda.is_available():  # the crash it fixed: a CPU generator with a CUDA verifier
         dev = torch.device("cuda")
         a = sampling_generator(dev, None, torch.Generator().manual_seed(4))
         b = sampling_generator(dev, None, torch.Generator().manual_seed(4))

@@ -30,7 +30,7 @@ DIE_WITH_PARENT = "SPECHEADS_DIE_WITH_PARENT"
 
 def package_root() -> Path:
     """The directory that holds the ``heads``, ``infer`` and ``train`` packages in use."""
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 def child_env(env: dict | None = None) -> dict:

@@ -41,6 +41,7 @@ import sys
 import time
 import traceback
 import warnings
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -499,7 +500,7 @@ def run_selfcheck(device: str, out: str | Path, *, small: bool = False, parts=("
     dev = resolve_device(device)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = Path(prompts) if prompts else Path(__file__).resolve().parent / "presets" / "prompts" / "unseen.jsonl"
+    prompts = Path(prompts) if prompts else Path(str(resources.files("infer") / "presets" / "prompts" / "unseen.jsonl"))
     import transformers
 
     results: dict = {"env": {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(dev),
