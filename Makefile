@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test lint bench clean gpu-check rehearsal deepspeed-check
+.PHONY: setup demo test lint bench serve-bench clean gpu-check rehearsal deepspeed-check
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ bench: setup
 		--limit 10 --max-new-tokens 256 --verify-cost --out results/bench-main.json --plot results/bench-main.png
 	$(BIN)/specheads bench --verifier default --draft auto,default --prompts configs/prompts/unseen.jsonl \
 		--max-new-tokens 256 --verify-cost --out results/bench-unseen.json --plot results/bench-unseen.png
+
+# the serving table of BENCHMARKS.md: specheads serve with --draft auto, none, and auto one request at a time,
+# loaded side by side by specheads loadgen at 1, 4 and 16 clients on Spec-Bench and the unseen prompts (~15 min)
+serve-bench: setup
+	$(BIN)/python docs/scripts/serve_bench.py --out results/serve-bench.json --plot results/serve-bench.png
 
 clean:
 	rm -rf $(VENV) .venv-rehearsal build *.egg-info .pytest_cache

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -235,23 +235,47 @@ def best_chain_depth(alpha: float, max_depth: int, cost: VerifyCost) -> int:
 
 
 @dataclass
-class _Rate:
-    """An exponential moving average of tokens per second, and how many steps it has seen."""
+class _Ema:
+    """An exponential moving average and how many values it has seen."""
 
-    ema: float = 0.0
+    value: float = 0.0
     steps: int = 0
+
+    def add(self, x: float, alpha: float) -> None:
+        self.value = x if self.steps == 0 else (1 - alpha) * self.value + alpha * x
+        self.steps += 1
+
+
+@dataclass
+class _Bucket:
+    """What :class:`SpecPolicy` has measured for one range of batch sizes."""
+
+    plain_rate: _Ema = field(default_factory=_Ema)  # tokens/s of steps that did not draft
+    plain_time: _Ema = field(default_factory=_Ema)  # seconds of such a step
+    extra_tokens: _Ema = field(default_factory=_Ema)  # one row drafting: tokens beyond the plain step's
+    extra_time: _Ema = field(default_factory=_Ema)  # one row drafting: seconds beyond the plain step's
+    full_rate: _Ema = field(default_factory=_Ema)  # tokens/s of steps where every row drafted
+    pause: int = 4
+    skip: int = 0
+    full_pause: int = 1
+    full_skip: int = 0
+
+
+#: How many of a step's rows draft, as :meth:`SpecPolicy.plan` decides it
+PLAIN, ONE, ALL = 0, 1, -1
 
 
 class SpecPolicy:
-    """Whether a batched step drafts at all (dynamic speculation): measured, not modelled.
+    """How many rows of a batched step draft (dynamic speculation): measured, not modelled.
 
-    Per batch-size bucket (2-4, 5-8, 9-16, 17-32, more rows) it keeps the throughput (tokens
-    emitted by all rows over the step's wall time, drafting included) of steps that drafted and of
-    steps that did not. Each kind is tried ``warmup`` times first; then the batch drafts while
-    drafting is faster by ``margin`` (a tie decodes plainly: plain decoding is the safe side), and
-    otherwise decodes plainly, probing drafting again after a pause that starts at ``first_pause``
-    steps and doubles with every probe that loses (up to ``max_pause``, so that probes cost at most
-    one step in that many). A single row always drafts (its drafter's own gate decides)."""
+    Per batch-size bucket (2-4, 5-8, 9-16, 17-32, more rows) it measures plain steps (tokens/s and
+    seconds), steps where a single row drafts (the tokens and seconds that row's draft adds: its
+    marginal rate), and steps where every row drafts (tokens/s). A batch decodes plainly until a
+    single row's draft has measured to add tokens faster than plain decoding emits them (by
+    ``margin``); then every row drafts, for as long as that measures faster than plain decoding.
+    While plain, one row drafts again after a pause that starts at ``first_pause`` steps and doubles
+    (up to ``max_pause``) with every probe that does not pay: a probe costs one row's drafting, not
+    the batch's. A single row always drafts (its drafter's own gate decides)."""
 
     BUCKETS = (1, 4, 8, 16, 32, 1 << 30)
 
@@ -259,42 +283,59 @@ class SpecPolicy:
                  max_pause: int = 256):
         self.alpha, self.warmup, self.margin = alpha, warmup, margin
         self.first_pause, self.max_pause = first_pause, max_pause
-        self._rates: dict[tuple[int, bool], _Rate] = {}
-        self._pause: dict[int, int] = {}
-        self._skip: dict[int, int] = {}
+        self._buckets: dict[int, _Bucket] = {}
 
-    def _bucket(self, rows: int) -> int:
-        return next(i for i, top in enumerate(self.BUCKETS) if rows <= top)
+    def _bucket(self, rows: int) -> _Bucket:
+        b = next(i for i, top in enumerate(self.BUCKETS) if rows <= top)
+        return self._buckets.setdefault(b, _Bucket(pause=self.first_pause))
 
-    def draft(self, rows: int) -> bool:
-        """Whether a step of ``rows`` rows drafts."""
+    def plan(self, rows: int) -> int:
+        """How many rows of a step of ``rows`` rows draft: :data:`ALL`, :data:`ONE` or :data:`PLAIN`."""
         if rows < 2:
-            return True
-        b = self._bucket(rows)
-        spec, plain = self._rates.get((b, True), _Rate()), self._rates.get((b, False), _Rate())
-        if spec.steps < self.warmup or plain.steps < self.warmup:
-            return spec.steps <= plain.steps
-        if spec.ema > (1.0 + self.margin) * plain.ema:
-            self._pause[b] = self.first_pause
-            return True
-        if self._skip.get(b, 0) > 0:
-            self._skip[b] -= 1
-            return False
-        pause = self._pause.get(b, self.first_pause)  # probe now, then pause longer if this probe loses too
-        self._skip[b] = pause
-        self._pause[b] = min(2 * pause, self.max_pause)
-        return True
+            return ALL
+        k = self._bucket(rows)
+        if k.plain_rate.steps < self.warmup:
+            return PLAIN
+        if k.extra_time.steps < self.warmup:
+            return ONE
+        margin = 1.0 + self.margin
+        one_pays = k.extra_tokens.value > margin * k.plain_rate.value * max(k.extra_time.value, 1e-9)
+        if one_pays:
+            if k.full_rate.steps < self.warmup or k.full_rate.value > margin * k.plain_rate.value:
+                return ALL
+            if k.full_skip > 0:  # every row drafting lost: try it again after a pause that doubles
+                k.full_skip -= 1
+            else:
+                k.full_skip = k.full_pause
+                k.full_pause = min(2 * k.full_pause, self.max_pause)
+                k.full_rate = _Ema()
+                return ALL
+        if k.skip > 0:
+            k.skip -= 1
+            return PLAIN
+        k.skip = k.pause  # probe one row now, then pause longer unless it pays
+        k.pause = min(2 * k.pause, self.max_pause) if not one_pays else self.first_pause
+        return ONE
 
-    def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A step of ``rows`` rows (that drafted or not) emitted ``tokens`` in ``seconds``."""
+    def record(self, rows: int, drafted: int, tokens: int, seconds: float) -> None:
+        """A step of ``rows`` rows, ``drafted`` of which drafted, emitted ``tokens`` in ``seconds``."""
         if rows < 2 or not seconds > 0:
             return
-        r = self._rates.setdefault((self._bucket(rows), drafted), _Rate())
-        rate = tokens / seconds
-        r.ema = rate if r.steps == 0 else (1 - self.alpha) * r.ema + self.alpha * rate
-        r.steps += 1
+        k, a = self._bucket(rows), self.alpha
+        if drafted == 0:
+            k.plain_rate.add(tokens / seconds, a)
+            k.plain_time.add(seconds, a)
+        elif drafted < rows:
+            if k.plain_time.steps:
+                k.extra_tokens.add((tokens - rows) / drafted, a)
+                k.extra_time.add(max(seconds - k.plain_time.value, 0.0) / drafted, a)
+        else:
+            k.full_rate.add(tokens / seconds, a)
 
     def state(self) -> dict:
-        """The measured rates per bucket, for benchmark records."""
-        return {f"{self.BUCKETS[b - 1] + 1 if b else 1}-{self.BUCKETS[b]} rows, {'draft' if d else 'plain'}": round(r.ema, 2)
-                for (b, d), r in sorted(self._rates.items())}
+        """What was measured per bucket, for benchmark records."""
+        return {f"<= {self.BUCKETS[b]} rows": {"plain_tok_s": round(k.plain_rate.value, 2),
+                                               "one_row_extra_tokens": round(k.extra_tokens.value, 3),
+                                               "one_row_extra_ms": round(1e3 * k.extra_time.value, 2),
+                                               "all_rows_tok_s": round(k.full_rate.value, 2)}
+                for b, k in sorted(self._buckets.items())}

@@ -29,7 +29,7 @@ from .accept import (
     warp_probs,
 )
 from .batch import TreeBatch, stack_drafts
-from .cost import BatchCost, SpecPolicy
+from .cost import ALL, ONE, BatchCost, SpecPolicy
 from .drafter import Draft, Drafter, NoDrafter, host_draft
 from .errors import UserError
 from .params import MAX_SEED, SamplingParams
@@ -347,7 +347,8 @@ class Engine:
         self.pending: list[_Row] = []
         self._cost_rows = 1  # the batch size the rows' cost curves were set for
         self.last_sizes: tuple[int, ...] = ()  # the rows' tree sizes in the last decode step (for metrics)
-        self.last_drafted = False  # whether the last decode step drafted (for metrics)
+        self.last_drafted = False  # whether any row drafted in the last decode step (for metrics)
+        self._probe = 0  # the row that drafts when the policy probes one
         self._admitted_last = False
         self._next = 0
 
@@ -481,11 +482,15 @@ class Engine:
         rows = self.rows
         self._set_costs()
         t0 = time.perf_counter()
-        drafting = self.last_drafted = self.policy.draft(len(rows))
+        plan = self.policy.plan(len(rows))
+        if plan == ONE:  # one row drafts (the policy measures what one row's draft adds), in turn
+            self._probe = (self._probe + 1) % len(rows)
+        drafting = [plan == ALL or (plan == ONE and i == self._probe) for i in range(len(rows))]
+        self.last_drafted = any(drafting)
         drafts: list[Draft] = []
-        for row in rows:
+        for row, draft_row in zip(rows, drafting):
             t1 = time.perf_counter()
-            if drafting:
+            if draft_row:
                 remaining = row.stopper.max_new - len(row.stopper.tokens)
                 drafts.append(row.drafter.propose(row.root, tree=self.tree, max_depth=remaining - 1,
                                                   generator=None if row.greedy else row.generator))
@@ -520,7 +525,7 @@ class Engine:
             st.accepted_hist[k] += 1
             row.root = a.bonus
             chunks.append(self._chunk(row, emitted))
-        self.policy.record(len(rows), drafting, sum(len(a.tokens) for a in acc.rows), time.perf_counter() - t0)
+        self.policy.record(len(rows), sum(drafting), sum(len(a.tokens) for a in acc.rows), time.perf_counter() - t0)
         self._leave([r for r in rows if r.stopper.reason])
         return chunks
 

@@ -1,0 +1,94 @@
+"""The serving table of BENCHMARKS.md: `specheads serve` with `--draft auto`, `--draft none` and
+`--draft auto --max-seqs 1` (one request at a time), loaded side by side by `specheads loadgen` at
+1, 4 and 16 concurrent clients, on the Spec-Bench and the unseen prompts (``make serve-bench``).
+
+    python docs/scripts/serve_bench.py --out results/serve-bench.json --plot results/serve-bench.png
+
+The three servers run at once on loopback ports (each waits idle while another is measured);
+the load generator gives each level to every server in turn. Each server is stopped with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVERS = {"auto": ["--draft", "auto"], "none": ["--draft", "none"], "auto, one at a time": ["--draft", "auto", "--max-seqs", "1"]}
+PROMPTS = {"spec_bench": ("configs/prompts/spec_bench.jsonl", 2), "unseen": ("configs/prompts/unseen.jsonl", 3)}
+
+
+def start(extra: list[str], port: int, verifier: str, max_seqs: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "infer.tools.cli", "serve", "--verifier", verifier, "--port", str(port), "--max-tokens", "512",
+            "--max-queue", "256", "--max-seqs", str(max_seqs), *extra]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"a server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"no server at {url} after {timeout} s")
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT))
+    from infer.tools import loadgen
+    from infer.tools.prompts import read_prompts
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--verifier", default="default")
+    p.add_argument("--levels", default="1,4,16")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--base-port", type=int, default=8101)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    procs, servers = [], {}
+    try:
+        for i, (label, extra) in enumerate(SERVERS.items()):
+            port = args.base_port + i
+            procs.append(start(extra, port, args.verifier, max(levels)))
+            servers[label] = f"http://127.0.0.1:{port}"
+        for url, proc in zip(servers.values(), procs):
+            wait_up(url, proc)
+        models = {label: httpx.get(url + "/v1/models").json()["data"][0]["id"] for label, url in servers.items()}
+        results = {"levels": levels, "requests": args.requests, "max_tokens": args.max_tokens, "sets": {}}
+        for name, (path, per_category) in PROMPTS.items():
+            texts = [q.text for q in read_prompts(ROOT / path, limit=per_category)]
+            run = loadgen.run({label: (url, models[label]) for label, url in servers.items()}, texts, levels, args.requests,
+                              args.max_tokens)
+            results["sets"][name] = run
+            print(f"## {name}\n{loadgen.table(run)}\n", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        if args.plot:
+            loadgen.plot({f"{label} ({name})": r for name, run in results["sets"].items() for label, r in run.items()}, args.plot)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
