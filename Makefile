@@ -1,10 +1,11 @@
-# specheads: `make demo` sets everything up and shows speculative decoding; `make test` runs the suite.
+# specheads: `make demo` sets everything up and shows speculative decoding; `make check` runs the fast
+# tests, `make test` the full suite (what CI runs).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test lint bench serve-bench clean gpu-check rehearsal deepspeed-check
+.PHONY: setup demo test check lint bench serve-bench clean gpu-check rehearsal deepspeed-check
 
 setup: $(VENV)/.installed
 
@@ -23,6 +24,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# the fast tier, what a developer runs while working: every test not marked slow
+check: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check heads infer train tests

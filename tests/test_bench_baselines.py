@@ -77,3 +77,32 @@ def test_the_shipped_spec_bench_is_spec_benchs_file_with_its_license():
     note = (ROOT / "configs" / "prompts" / "README.md").read_text()
     assert "Apache-2.0" in note and "hemingkx/Spec-Bench" in note
     assert "Apache License" in (ROOT / "configs" / "prompts" / "LICENSE-Apache-2.0.txt").read_text()
+
+
+def test_compare_times_sampling_against_sampling(capsys, monkeypatch):
+    import json
+
+    import infer.tools.bench
+    from conftest import run_cli as run
+
+    calls = []
+    real = infer.tools.bench.hf_generate
+
+    def spy(model, ids, n, eos, **kw):
+        calls.append(kw)
+        return real(model, ids, n, eos, **kw)
+
+    monkeypatch.setattr(infer.tools.bench, "hf_generate", spy)
+    state = torch.get_rng_state()
+    code, out, _ = run(["generate", "--verifier", "tiny-random:llama", "--prompt", "hello", "--max-new-tokens", "6",
+                        "--temperature", "0.7", "--top-k", "20", "--seed", "3", "--compare", "--json"], capsys)
+    assert code == 0
+    assert calls and all(kw == {"do_sample": True, "temperature": 0.7, "top_p": 1.0, "top_k": 20} for kw in calls)
+    report = json.loads(out.strip().splitlines()[-1])["compare"]
+    assert report["plain"] == "sampling"
+    assert torch.equal(torch.get_rng_state(), state)  # HF's sampling ran on a forked generator
+    calls.clear()
+    code, out, _ = run(["generate", "--verifier", "tiny-random:llama", "--prompt", "hello", "--max-new-tokens", "6",
+                        "--compare", "--json"], capsys)
+    assert code == 0 and calls and all(kw == {} for kw in calls)
+    assert json.loads(out.strip().splitlines()[-1])["compare"]["output_vs_plain"] == "identical"

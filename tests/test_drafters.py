@@ -1,9 +1,11 @@
-"""Prompt lookup and the cost model that sizes its drafts."""
+"""Prompt lookup, the cost model that sizes its drafts, and the union of drafters."""
 
+import pytest
 import torch
 
 from infer.core.cost import DEFAULT_COST, VerifyCost, best_chain_depth, expected_tokens
-from infer.core.tree import DynamicTreeSpec
+from infer.core.drafter import Draft, Drafter
+from infer.core.tree import DynamicTreeSpec, build_tree
 from infer.drafting.lookup import PromptLookupDrafter
 
 
@@ -64,3 +66,27 @@ def test_adaptive_lookup_stops_drafting_what_is_never_accepted():
         d.update(draft.tokens[:1], None)
     assert sizes[0] > 1
     assert sum(n > 1 for n in sizes[-8:]) <= 1  # it has stopped paying for drafts
+
+
+SHORT_PROMPT = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+
+
+class DrawnDrafter(Drafter):
+    """Reports the q its one child was drawn from."""
+
+    def propose(self, root, *, tree=None, max_depth=8, generator=None):
+        q = torch.full((2, 256), 1 / 256)
+        return Draft(torch.tensor([root, 7]), build_tree([-1, 0]), q)
+
+
+def test_a_union_member_with_q_is_named_not_dropped_silently(llama):
+    from infer import generate
+    from infer.drafting.lookup import PromptLookupDrafter
+    from infer.drafting.union import UnionDrafter
+
+    union = UnionDrafter([PromptLookupDrafter(), DrawnDrafter()])
+    with pytest.warns(UserWarning, match=r"member 1 \(DrawnDrafter\).*left out of the union"):
+        generate(llama, union, SHORT_PROMPT, max_new_tokens=6, temperature=1.0, seed=0)
+    first = UnionDrafter([DrawnDrafter(), PromptLookupDrafter()])
+    with pytest.warns(UserWarning, match=r"member 0 \(DrawnDrafter\).*verified alone"):
+        generate(llama, first, SHORT_PROMPT, max_new_tokens=6, temperature=1.0, seed=0)

@@ -177,3 +177,28 @@ def test_union_merges_deterministic_drafts_when_sampling(llama):
     res = generate(llama, union, ids, max_new_tokens=12, temperature=1.0, seed=0)
     assert len(res.token_ids) == 12
     assert max(n for n, k in enumerate(res.stats.nodes_hist) if k) >= 6  # the second drafter's chain is verified too
+
+
+SHORT_PROMPT = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+
+
+def test_tau_counts_only_the_verify_passes_tokens(llama):
+    from infer import generate
+    from infer.core.drafter import NoDrafter
+
+    res = generate(llama, NoDrafter(), SHORT_PROMPT, max_new_tokens=20)
+    assert res.stats.new_tokens == 20 and res.stats.verify_steps == 19
+    assert res.stats.mean_accepted == 1.0  # was 20 / 19
+
+
+def test_speculator_from_pretrained_takes_linear_and_draft_dtype():
+    from infer import Speculator
+    from infer.core.errors import UserError
+
+    spec = Speculator.from_pretrained("tiny-random:llama", draft="pld", linear="onednn", draft_dtype="bf16")
+    assert spec._verifier.kernel == "onednn"
+    assert Speculator.from_pretrained("tiny-random:llama", draft="none", linear="stock")._verifier.kernel == "stock"
+    with pytest.raises(UserError, match="CPU kernel"):
+        Speculator.from_pretrained("tiny-random:llama", draft="none", device="cuda", linear="onednn")
+    with pytest.raises(UserError):
+        Speculator.from_pretrained("tiny-random:llama", draft="none", linear="fast")

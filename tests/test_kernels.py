@@ -176,3 +176,25 @@ def test_bench_kernel_list_is_checked():
     for bad in ("", "auto,auto", "auto,mkl"):
         with pytest.raises(UserError, match="--linear"):
             bench_kernels(bad)
+
+
+def test_onednn_on_a_gpu_is_refused_before_loading(capsys):
+    from conftest import run_cli as run
+
+    code, _, err = run(["generate", "--verifier", "tiny-random:llama", "--prompt", "hi", "--device", "cuda",
+                        "--linear", "onednn"], capsys)
+    assert code == 2 and "onednn is a CPU kernel" in err and "Traceback" not in err
+    code, _, err = run(["bench", "--verifier", "tiny-random:llama", "--prompts", "x.jsonl", "--out", "/tmp/never.json",
+                        "--device", "cuda:0", "--linear", "auto,onednn"], capsys)
+    assert code == 2 and "onednn is a CPU kernel" in err
+
+
+def test_onednn_kernel_for_a_model_off_the_cpu_is_refused(llama):
+    from infer.core.errors import UserError
+    from infer.core.kernels import linear_kernel
+    from infer.core.models import tiny_random_model
+
+    meta = tiny_random_model("llama", vocab_size=256, seed=1).to("meta")
+    with pytest.raises(UserError, match="CPU kernel"):
+        linear_kernel(meta, "onednn")
+    assert linear_kernel(meta, "auto") == "stock"

@@ -1,5 +1,7 @@
-"""Module layout of heads/: no import cycles (function-level imports included), heads/ and infer/
-never import train/, and the helpers used across modules have public names."""
+"""Module layout, the one place its rules are tested: no import cycles (function-level imports
+included), heads/ <- infer/ <- train/ (heads/ imports neither, infer/ never imports train/), infer/'s
+three rooms (core/ imports neither drafting/ nor tools/; drafting/ never imports tools/), and the
+helpers used across modules have public names."""
 
 import ast
 import pathlib
@@ -76,6 +78,15 @@ def test_heads_and_infer_never_import_train():
         for path in (ROOT / pkg).rglob("*.py"):
             for name in _imports(path, pkg):
                 assert name.split(".")[0] not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_infer_core_drafting_tools_depend_one_way():
+    for room, forbidden in (("infer/core", ("infer.drafting", "infer.tools")), ("infer/drafting", ("infer.tools",))):
+        files = list((ROOT / room).rglob("*.py"))
+        assert files, room
+        for path in files:
+            for name in _imports(path, "infer"):
+                assert not name.startswith(forbidden), f"{path.relative_to(ROOT)} imports {name}"
 
 
 def test_infer_has_no_cycle_and_train_does_not_need_the_benchmark():

@@ -306,3 +306,54 @@ def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypat
     assert learnt[-1] and learnt[-2] and paused > 0  # both processes' curves took over; the gate paused at times
     assert deepest >= 4  # trees beyond one level were verified (root + 3 nodes at least)
     assert chi_square_pvalue(tally((s[0] for s in samples), 5), probs) > 1e-3
+
+
+SHORT_PROMPT = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+
+
+def test_unseeded_sampling_leaves_the_global_generator_alone(llama):
+    from infer import generate
+
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = generate(llama, None, SHORT_PROMPT, max_new_tokens=8, temperature=1.0)
+    assert torch.equal(torch.get_rng_state(), state)  # torch.seed() reseeded it before
+    b = generate(llama, None, SHORT_PROMPT, max_new_tokens=8, temperature=1.0)
+    assert len(a.token_ids) == len(b.token_ids) == 8
+
+
+def test_a_users_generator_is_used_and_advanced(llama):
+    from infer import generate
+    from infer.drafting.lookup import PromptLookupDrafter
+
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    a = generate(llama, PromptLookupDrafter(), SHORT_PROMPT, max_new_tokens=12, temperature=1.0, generator=g1)
+    b = generate(llama, PromptLookupDrafter(), SHORT_PROMPT, max_new_tokens=12, temperature=1.0, generator=g2)
+    assert a.token_ids == b.token_ids and torch.equal(g1.get_state(), g2.get_state())
+    assert not torch.equal(g1.get_state(), torch.Generator().manual_seed(9).get_state())
+
+
+def test_a_generator_on_another_device_seeds_one_on_the_verifiers():
+    from infer.core.engine import sampling_generator
+
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(4)
+    assert sampling_generator(cpu, None, g) is g  # already there
+    fresh = sampling_generator(cpu, 5, None)
+    assert torch.equal(fresh.get_state(), torch.Generator().manual_seed(5).get_state())
+    if torch.cuda.is_available():  # the crash it fixed: a CPU generator with a CUDA verifier
+        dev = torch.device("cuda")
+        a = sampling_generator(dev, None, torch.Generator().manual_seed(4))
+        b = sampling_generator(dev, None, torch.Generator().manual_seed(4))
+        assert a.device.type == "cuda" and torch.equal(a.get_state(), b.get_state())
+
+
+def test_cpu_generator_with_a_cuda_verifier():
+    from infer import generate
+    from infer.core.models import tiny_random_model
+    from infer.drafting.lookup import PromptLookupDrafter
+
+    model = tiny_random_model("llama", vocab_size=256, seed=1).cuda()
+    outs = [generate(model, PromptLookupDrafter(), SHORT_PROMPT, max_new_tokens=10, temperature=1.0,
+                     generator=torch.Generator().manual_seed(2)).token_ids for _ in range(2)]
+    assert outs[0] == outs[1] and len(outs[0]) == 10
