@@ -119,7 +119,7 @@ def reference(work: Path, prompts: list[dict], max_new: int, k: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(work / "verifier", dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     out = {"eos": eos if isinstance(eos, list) else [eos], "hf": [], "specheads": []}
-    drafter = load_drafter("default", model, tree=load_tree_spec(f"chain:{k}"), budget="fixed")
+    drafter = load_drafter("default", model, tree=load_tree_spec(f"dynamic:{k},1,{k}"), budget="fixed")
     for p in prompts:
         x = torch.tensor([p["ids"]])
         t = time.perf_counter()
