@@ -194,11 +194,11 @@ def _fits_context(texts, chat, max_new_tokens: int, what):
     return check
 
 
-def _drafter(args, draft: str, model, tree, linear: str | None = None):
+def _drafter(args, draft: str, model, tree, linear: str | None = None, tokenizer=None):
     from ..drafting.loading import load_drafter
 
     return load_drafter(draft, model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype,
-                        linear=linear or args.linear)
+                        linear=linear or args.linear, tokenizer=tokenizer)
 
 
 def _verifier(args, model):
@@ -230,7 +230,7 @@ def cmd_generate(args) -> int:
     _check_drafts(args.draft)
     lv = _load(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
-    drafter = _drafter(args, args.draft, lv.model, tree)
+    drafter = _drafter(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
     verifier = _verifier(args, lv.model)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     chunks = stream(verifier, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
@@ -352,7 +352,7 @@ def cmd_bench(args) -> int:
     for i, kernel in enumerate(kernels):  # each kernel its own drafters: their cost curves learn its times
         for label, (d, _), t in zip(labels, entries, trees):
             name = label if i == 0 else f"{label}[{kernel}]"
-            drafters[name], kernel_of[name] = _drafter(args, d, lv.model, t, kernel), kernel
+            drafters[name], kernel_of[name] = _drafter(args, d, lv.model, t, kernel, tokenizer=lv.tokenizer), kernel
     config = bench_fingerprint(args)
     results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
@@ -403,7 +403,7 @@ def cmd_chat(args) -> int:
     tree = _tree(args)
     _check_drafts(args.draft)
     lv = _load(args, "chat needs text")
-    drafter = _drafter(args, args.draft, lv.model, tree)
+    drafter = _drafter(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen, verifier=_verifier(args, lv.model)))
