@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--private", action="store_true")
     pu.add_argument("--token", default=None)
 
-    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (speculators, eagle3, medusa, dflash), or as a smaller specheads checkpoint (specheads)")
+    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (speculators, eagle3, medusa, dflash), or as a smaller specheads checkpoint (specheads); draft-model: a trained draft model directory, checked and copied")
     ex.add_argument("--draft", required=True, help="a specheads head checkpoint (directory or Hub id)")
-    ex.add_argument("--format", required=True, choices=("speculators", "eagle3", "medusa", "dflash", "specheads"))
+    ex.add_argument("--format", required=True, choices=("speculators", "eagle3", "medusa", "dflash", "specheads", "draft-model"))
     ex.add_argument("--out", required=True, help="a new or empty directory (see --force)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty --out as a whole (never mixed with its old files)")
     ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -425,6 +425,9 @@ def cmd_export(args) -> int:
         raise UserError(f"--out {args.out} is not empty: export into a new directory, or add --force to replace it as a whole")
     if args.speculative_tokens < 1:
         raise UserError(f"--speculative-tokens must be >= 1, not {args.speculative_tokens}")
+    if args.format == "draft-model":
+        print(export_draft_model(args.draft, args.out, overwrite=args.force))
+        return 0
     try:
         from heads.io import resolve, verifier_adapter
 
@@ -473,6 +476,29 @@ def cmd_export(args) -> int:
         raise UserError(str(e)) from None
     print(out)
     return 0
+
+
+def export_draft_model(draft: str, out: str, *, overwrite: bool = False):
+    """A draft model directory (``DIR`` or ``model:DIR``), checked (transformers reads its config
+    and finds safetensors weights; no specheads files needed) and copied to ``out``: what vLLM
+    loads as ``speculative_config={"method": "draft_model", "model": out}`` (docs/draft-model.md)."""
+    import shutil
+
+    from heads.io import write_directory
+
+    from ..drafting.draft_model import PREFIX, draft_model_path, read_draft_config
+
+    path = draft_model_path(draft if draft.startswith(PREFIX) else PREFIX + draft)
+    read_draft_config(path)
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"draft model {str(path)!r} has no safetensors weights (model.safetensors): export reads no pickles")
+
+    def fill(tmp):
+        for f in sorted(path.iterdir()):
+            if f.is_file() and (f.suffix in (".json", ".safetensors", ".txt", ".model") or f.name == "README.md"):
+                shutil.copy2(f, tmp / f.name)
+
+    return write_directory(out, fill, overwrite=overwrite)
 
 
 MAX_COST_PREFIX = 1 << 17
