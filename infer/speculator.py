@@ -77,7 +77,8 @@ class Speculator:
         check_kernel_device(linear, device)  # before loading anything
         draft_parts(draft, None)  # a bad draft spec fails before the verifier loads
         lv = load_verifier(verifier, dtype=dtype, device=device)
-        drafter = load_drafter(draft, lv.model, tree=spec, budget=tree_budget, draft_dtype=draft_dtype, linear=linear)
+        drafter = load_drafter(draft, lv.model, tree=spec, budget=tree_budget, draft_dtype=draft_dtype, linear=linear,
+                               tokenizer=lv.tokenizer)
         return cls(lv.model, lv.tokenizer, drafter, name=verifier, linear=linear)
 
     def _ids(self, prompt, chat: bool | None) -> torch.Tensor:

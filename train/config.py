@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     # what to train, for which verifier
     verifier: str = "default"
-    head_type: str = "eagle3"  # medusa | medusa2 | eagle1 | eagle3 | dflash
+    head_type: str = "eagle3"  # medusa | medusa2 | eagle1 | eagle3 | dflash | draft_model
     output_dir: str = "runs/head"
     # data: distilled JSONL (token ids + loss mask), a directory of parts or a glob pattern of parts;
     # made from `prompts` first if missing
@@ -84,21 +84,30 @@ class TrainConfig:
     dflash_anchors: int = 32  # random blocks per sequence and step
     dflash_decay_gamma: float = 4.0  # block position k weighs exp(-(k - 1) / gamma)
     dflash_mask_token_id: int = -1  # -1: the least frequent token of the training data
+    draft_layers: int = 2  # draft_model: decoder layers of the standalone draft LM
+    draft_init_layers: bool = True  # draft_model: start from the verifier's first draft_layers layers (else fresh)
+    draft_train_embeddings: bool = False  # draft_model: also train the embedding / LM head (copied from the verifier)
+    draft_kl_weight: float = 1.0  # draft_model: KL(verifier || draft) of the next-token distributions
+    draft_ce_weight: float = 0.1  # draft_model: cross-entropy on the distilled tokens
     extra: dict = field(default_factory=dict)  # free-form notes copied into the model card
 
     def __post_init__(self) -> None:
         """Every value, checked before any work (paths: :meth:`check_paths`)."""
-        if self.head_type not in ("medusa", "medusa2", "eagle1", "eagle3", "dflash"):
-            raise ConfigError(f"head_type must be medusa, medusa2, eagle1, eagle3 or dflash, not {self.head_type!r}")
+        if self.head_type not in ("medusa", "medusa2", "eagle1", "eagle3", "dflash", "draft_model"):
+            raise ConfigError(f"head_type must be medusa, medusa2, eagle1, eagle3, dflash or draft_model, not {self.head_type!r}")
+        if self.head_type == "draft_model" and self.init_from:
+            raise ConfigError("init_from is for draft heads; a draft_model run starts from the verifier (draft_init_layers) "
+                              "and continues with --resume")
         if not str(self.verifier).strip():
             raise ConfigError("verifier must not be empty: 'default', tiny-random:<arch>, a model directory or a Hub id")
         for key in ("batch_size", "grad_accum", "max_steps", "save_every", "eval_every", "eval_batches", "ttt_steps",
                     "max_seq_len", "medusa_num_heads", "medusa_num_layers", "draft_vocab_size", "lora_r", "lora_alpha",
-                    "distill_max_new_tokens", "distill_batch_size", "dflash_layers", "dflash_num_features", "dflash_anchors"):
+                    "distill_max_new_tokens", "distill_batch_size", "dflash_layers", "dflash_num_features", "dflash_anchors",
+                    "draft_layers"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, not {getattr(self, key)}")
         for key in ("warmup_steps", "max_prompts", "interrupt_after", "keep_checkpoints", "length_window", "weight_decay", "max_grad_norm",
-                    "distill_temperature", "eagle1_ce_weight", "medusa2_kl_weight"):
+                    "distill_temperature", "eagle1_ce_weight", "medusa2_kl_weight", "draft_kl_weight", "draft_ce_weight"):
             if not getattr(self, key) >= 0:  # `not >=` also refuses NaN
                 raise ConfigError(f"{key} must be >= 0, not {getattr(self, key)}")
         if self.dflash_block_size < 2:

@@ -116,6 +116,13 @@ def warm_start_facts(parent: dict, init_from: str | Path, weights_sha256: str = 
 
 
 def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
+    if cfg.head_type == "draft_model":  # a standalone HF causal LM of the verifier's architecture
+        from train.draft_model import build_draft_model
+
+        try:
+            return build_draft_model(model, cfg.draft_layers, cfg.draft_init_layers, cfg.draft_train_embeddings)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     spec = VerifierSpec.of(model, cfg.verifier)
     kind = "medusa" if cfg.head_type == "medusa2" else cfg.head_type
     if cfg.init_from:  # a warm start: the checkpoint's architecture and draft vocabulary
@@ -167,6 +174,10 @@ def build_draft_head(cfg: TrainConfig, model, records) -> nn.Module:
 
 
 def loss_fn(cfg: TrainConfig, head, verifier, feats, batch):
+    if cfg.head_type == "draft_model":
+        from train.draft_model import draft_model_loss
+
+        return draft_model_loss(head, verifier, feats, batch, cfg.draft_kl_weight, cfg.draft_ce_weight)
     if cfg.head_type in ("medusa", "medusa2"):
         return medusa_loss(head, verifier, feats, batch.input_ids, batch.loss_mask, cfg.medusa_decay)
     if cfg.head_type == "dflash":
@@ -385,7 +396,8 @@ def _train(cfg: TrainConfig, held: list) -> dict:
 
     torch.manual_seed(cfg.seed)
     head = build_draft_head(cfg, model, [records[i] for i in train_idx])
-    aux_layers = head.config.aux_layers if head.config.head_type in ("eagle3", "dflash") else ()
+    is_draft_model = cfg.head_type == "draft_model"
+    aux_layers = head.config.aux_layers if not is_draft_model and head.config.head_type in ("eagle3", "dflash") else ()
     verifier = model
     if cfg.head_type == "medusa2":
         from peft import LoraConfig, get_peft_model
@@ -401,7 +413,7 @@ def _train(cfg: TrainConfig, held: list) -> dict:
 
     try:
         fill_deepspeed_config(accelerator, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
-                              max_grad_norm=cfg.max_grad_norm, hidden_size=head.config.verifier.hidden_size)
+                              max_grad_norm=cfg.max_grad_norm, hidden_size=model.config.hidden_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     scheduler = lr_scheduler(optimizer, cfg)
@@ -535,7 +547,20 @@ def _train(cfg: TrainConfig, held: list) -> dict:
 
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(joint)  # collective: gathers ZeRO-3 partitions
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and is_draft_model:  # a plain HF model directory, loadable without specheads
+        from train.draft_model import save_draft_model
+
+        try:
+            head.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
+            save_draft_model(head, lv.tokenizer, out, {"verifier": cfg.verifier, "data": str(cfg.prompts or data_path),
+                                                       "records": len(records), "steps": step,
+                                                       "tau": round(last_eval.get("eval_tau", 0.0), 3),
+                                                       "wall_time_s": round(time.time() - t_start)})
+            _write_json(out / "train_history.json", history)
+        except write_errors() as e:
+            raise CheckpointWriteError(f"cannot write the trained draft model into {out}: {_reason(e)}; free space there "
+                                       "and continue with --resume (from the last complete checkpoint)") from None
+    elif accelerator.is_main_process:
         final = build_head(head.config)  # a plain CPU copy of the trained weights
         final.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
         head = final

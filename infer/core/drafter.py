@@ -10,6 +10,7 @@ The interface, in the spirit of HF's ``CandidateGenerator``:
   tree nodes; drafters whose cost curve learns from it pass it on);
 * :meth:`Drafter.spawn` - a drafter for one more concurrent generation (a batch row): the same
   weights and verify-cost curve, its own per-generation state;
+* :meth:`Drafter.set_params` - the sampling parameters of the generation about to begin;
 * :meth:`Drafter.set_cost` - the verify-cost curve to size trees by from now on (the engine
   gives each row the curve as seen from a batch of its size, see :class:`~infer.core.cost.BatchCost`).
 
@@ -163,6 +164,11 @@ class Drafter(ABC):
         per-generation state. The default deep-copies the drafter and shares its ``cost``; drafters
         that hold weights override it."""
         return copy.deepcopy(self, memo={id(self.cost): self.cost})
+
+    def set_params(self, params) -> None:
+        """The sampling parameters (:class:`~infer.core.params.SamplingParams`) of the generation
+        about to :meth:`begin`: a drafter that draws its tokens from a distribution warps it as the
+        verifier's is warped (temperature, top-k, top-p). Others ignore them."""
 
     def set_cost(self, cost) -> None:
         """Size trees by ``cost`` from now on (a drafter that sizes none ignores it)."""

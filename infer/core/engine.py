@@ -426,6 +426,7 @@ class Engine:
         outs = self.verifier.add_rows([r.ids for r in rows])
         firsts = []
         for row, out in zip(rows, outs):
+            row.drafter.set_params(row.params)
             row.drafter.begin(row.ids, out.features)
             if row.greedy:
                 firsts.append(out.logits[-1].argmax().view(1))

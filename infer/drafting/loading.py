@@ -3,7 +3,8 @@
 :func:`load_drafter` takes exactly the specs the command line does: ``auto`` (the heads shipped
 for this verifier together with prompt lookup; else prompt lookup), ``pld``, ``none``, the name
 of a shipped head (``default``), a head checkpoint (directory or Hub id), or several joined by
-``+`` (their drafts are verified as one trie). With ``budget="auto"`` each drafter sizes its
+``+`` (their drafts are verified as one trie), or ``model:PATH``, a separate draft model (a local
+HF causal LM with the verifier's vocabulary, :mod:`infer.drafting.draft_model`; never in ``auto``). With ``budget="auto"`` each drafter sizes its
 drafts by the verifier's cost curve: a short probe at load, then the times the engine measures
 at every step (:class:`~infer.core.cost.OnlineCost`).
 """
@@ -18,6 +19,7 @@ from ..core.cost import OnlineCost, VerifyCost, measure_verify_cost
 from ..core.drafter import Drafter, NoDrafter
 from ..core.errors import UserError
 from ..core.tree import StaticTreeSpec, TreeSpec
+from .draft_model import draft_model_path, is_draft_model_spec, read_draft_config
 from .lookup import PromptLookupDrafter
 from .union import UnionDrafter
 
@@ -38,16 +40,19 @@ def draft_parts(spec: str, model) -> list[str]:
     parts = [spec] if Path(spec).is_dir() else [p.strip() for p in spec.split("+")]
     shipped = pretrained_names()
     for part in parts:
+        if is_draft_model_spec(part):  # a separate draft model: its directory and config.json, read now
+            read_draft_config(draft_model_path(part))
+            continue
         is_head = part in shipped or Path(part).is_dir() or is_hub_id(part)
         if part not in ("pld", "none", *shipped) and not is_head and (
                 "/" in part or os.sep in part or part.startswith((".", "~")) or os.path.lexists(part)):
             raise UserError(f"draft {local_path_problem(part)}: give a draft-head checkpoint directory or a Hub id (org/name)")
         if part not in ("pld", "none") and not is_head:
             names = ", ".join([*shipped, "pld", "none"])
-            raise UserError(f"unknown draft {part!r}: use auto, {names}, a draft-head checkpoint directory or Hub id, or several joined by +")
+            raise UserError(f"unknown draft {part!r}: use auto, {names}, a draft-head checkpoint directory or Hub id, model:PATH (a draft model), or several joined by +")
     if model is None:  # a head's own config.json, read before any model loads (sizes, aux_layers, types)
         for part in parts:
-            if part not in ("pld", "none") and Path(part).is_dir():
+            if part not in ("pld", "none") and not is_draft_model_spec(part) and Path(part).is_dir():
                 check_head_config(part)
     if len(parts) > 1 and "none" in parts:
         raise UserError(f"--draft {spec!r}: 'none' cannot be combined with other drafts")
@@ -72,6 +77,8 @@ def tree_fits(head_path: str, tree: TreeSpec) -> bool:
     """Whether the head at ``head_path`` grows ``tree``'s kind of tree (Medusa: static, EAGLE: dynamic)."""
     from heads.io import read_config, resolve
 
+    if is_draft_model_spec(head_path):
+        return not isinstance(tree, StaticTreeSpec) or all(all(r == 0 for r in c) for c in tree.choices)
     return (read_config(resolve(head_path)).head_type in ("medusa", "medusa2")) == isinstance(tree, StaticTreeSpec)
 
 
@@ -87,7 +94,7 @@ def probe_cost(model, linear: str = "auto") -> OnlineCost | None:
 
 
 def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str = "auto", draft_dtype="auto",
-                 linear: str = "auto") -> Drafter:
+                 linear: str = "auto", tokenizer=None) -> Drafter:
     """The drafter a ``--draft`` spec names, for verifier ``model`` (see the module docstring).
 
     ``tree`` shapes the first drafter; under ``auto``, the first one that grows that kind of tree
@@ -95,7 +102,8 @@ def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str 
     ``fixed`` uses the tree's node count. ``draft_dtype``: what EAGLE heads compute in
     (:func:`~infer.drafting.head_drafters.draft_dtype`). ``linear``: the verifier's kernel that the cost
     probe measures (:mod:`infer.core.kernels`; pass the one the engine's verifier runs). A head
-    trained for another verifier is refused."""
+    trained for another verifier is refused, and so is a draft model (``model:PATH``) whose
+    vocabulary differs from the verifier's (``tokenizer``: the verifier's, to compare tokens too)."""
     if budget not in ("auto", "fixed"):
         raise UserError(f"budget must be 'auto' or 'fixed', not {budget!r}")
     parts = draft_parts(spec, model)
@@ -106,6 +114,10 @@ def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str 
     def one(part: str, tree_):
         if part == "pld":
             return PromptLookupDrafter(tree=tree_) if cost is None else PromptLookupDrafter(tree=tree_, cost=cost)
+        if is_draft_model_spec(part):
+            from .draft_model import load_draft_model_drafter
+
+            return load_draft_model_drafter(part, model, tree_, cost, dtype=draft_dtype, tokenizer=tokenizer)
         from .head_drafters import load_head_drafter
 
         return load_head_drafter(part, model, tree_, cost, dtype=draft_dtype)

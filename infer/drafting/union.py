@@ -53,6 +53,9 @@ class UnionDrafter(Drafter):
         if len(drafters) < 2:
             raise ValueError("a union needs at least two drafters")
         self.drafters = drafters
+        for d in drafters:  # members that can draft either way (a draft model) are asked for deterministic drafts
+            if hasattr(d, "deterministic"):
+                d.deterministic = True
         self.tree = drafters[0].tree
         self.cost = next((d.cost for d in drafters if d.cost is not None), None)
         layers: list[int] = []
@@ -87,6 +90,10 @@ class UnionDrafter(Drafter):
 
     def spawn(self) -> UnionDrafter:
         return UnionDrafter([d.spawn() for d in self.drafters])
+
+    def set_params(self, params) -> None:
+        for d in self.drafters:
+            d.set_params(params)
 
     def set_cost(self, cost) -> None:
         for d in self.drafters:

@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--private", action="store_true")
     pu.add_argument("--token", default=None)
 
-    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (speculators, eagle3, medusa, dflash), or as a smaller specheads checkpoint (specheads)")
+    ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (speculators, eagle3, medusa, dflash), or as a smaller specheads checkpoint (specheads); draft-model: a trained draft model directory, checked and copied")
     ex.add_argument("--draft", required=True, help="a specheads head checkpoint (directory or Hub id)")
-    ex.add_argument("--format", required=True, choices=("speculators", "eagle3", "medusa", "dflash", "specheads"))
+    ex.add_argument("--format", required=True, choices=("speculators", "eagle3", "medusa", "dflash", "specheads", "draft-model"))
     ex.add_argument("--out", required=True, help="a new or empty directory (see --force)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty --out as a whole (never mixed with its old files)")
     ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -194,11 +194,11 @@ def _fits_context(texts, chat, max_new_tokens: int, what):
     return check
 
 
-def _drafter(args, draft: str, model, tree, linear: str | None = None):
+def _drafter(args, draft: str, model, tree, linear: str | None = None, tokenizer=None):
     from ..drafting.loading import load_drafter
 
     return load_drafter(draft, model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype,
-                        linear=linear or args.linear)
+                        linear=linear or args.linear, tokenizer=tokenizer)
 
 
 def _verifier(args, model):
@@ -230,7 +230,7 @@ def cmd_generate(args) -> int:
     _check_drafts(args.draft)
     lv = _load(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
-    drafter = _drafter(args, args.draft, lv.model, tree)
+    drafter = _drafter(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
     verifier = _verifier(args, lv.model)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     chunks = stream(verifier, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
@@ -352,7 +352,7 @@ def cmd_bench(args) -> int:
     for i, kernel in enumerate(kernels):  # each kernel its own drafters: their cost curves learn its times
         for label, (d, _), t in zip(labels, entries, trees):
             name = label if i == 0 else f"{label}[{kernel}]"
-            drafters[name], kernel_of[name] = _drafter(args, d, lv.model, t, kernel), kernel
+            drafters[name], kernel_of[name] = _drafter(args, d, lv.model, t, kernel, tokenizer=lv.tokenizer), kernel
     config = bench_fingerprint(args)
     results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
@@ -403,7 +403,7 @@ def cmd_chat(args) -> int:
     tree = _tree(args)
     _check_drafts(args.draft)
     lv = _load(args, "chat needs text")
-    drafter = _drafter(args, args.draft, lv.model, tree)
+    drafter = _drafter(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen, verifier=_verifier(args, lv.model)))
@@ -425,6 +425,9 @@ def cmd_export(args) -> int:
         raise UserError(f"--out {args.out} is not empty: export into a new directory, or add --force to replace it as a whole")
     if args.speculative_tokens < 1:
         raise UserError(f"--speculative-tokens must be >= 1, not {args.speculative_tokens}")
+    if args.format == "draft-model":
+        print(export_draft_model(args.draft, args.out, overwrite=args.force))
+        return 0
     try:
         from heads.io import resolve, verifier_adapter
 
@@ -473,6 +476,29 @@ def cmd_export(args) -> int:
         raise UserError(str(e)) from None
     print(out)
     return 0
+
+
+def export_draft_model(draft: str, out: str, *, overwrite: bool = False):
+    """A draft model directory (``DIR`` or ``model:DIR``), checked (transformers reads its config
+    and finds safetensors weights; no specheads files needed) and copied to ``out``: what vLLM
+    loads as ``speculative_config={"method": "draft_model", "model": out}`` (docs/draft-model.md)."""
+    import shutil
+
+    from heads.io import write_directory
+
+    from ..drafting.draft_model import PREFIX, draft_model_path, read_draft_config
+
+    path = draft_model_path(draft if draft.startswith(PREFIX) else PREFIX + draft)
+    read_draft_config(path)
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"draft model {str(path)!r} has no safetensors weights (model.safetensors): export reads no pickles")
+
+    def fill(tmp):
+        for f in sorted(path.iterdir()):
+            if f.is_file() and (f.suffix in (".json", ".safetensors", ".txt", ".model") or f.name == "README.md"):
+                shutil.copy2(f, tmp / f.name)
+
+    return write_directory(out, fill, overwrite=overwrite)
 
 
 MAX_COST_PREFIX = 1 << 17
