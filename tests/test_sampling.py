@@ -348,6 +348,7 @@ def test_a_generator_on_another_device_seeds_one_on_the_verifiers():
         assert a.device.type == "cuda" and torch.equal(a.get_state(), b.get_state())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpu_generator_with_a_cuda_verifier():
     from infer import generate
     from infer.core.models import tiny_random_model
