@@ -265,3 +265,44 @@ def test_a_batch_stops_drafting_where_drafting_measures_slower():
             assert ALL not in late and PLAIN in late
             assert 0 < late.count(ONE) <= len(late) / 32 + 1, late.count(ONE)
     assert SpecPolicy().plan(1) == ALL  # a single row is left to its drafter's own gate
+
+
+def test_a_larger_batch_waits_as_long_as_a_smaller_one_where_drafting_lost():
+    """Once one row's draft has measured not to pay at 4 rows, a batch of 16 (which only adds rows
+    to pad) waits as long as the batch of 4 waits before its first probe; with nothing measured
+    at a smaller size, 16 rows probe right after their plain warm-up."""
+    from infer.core.cost import ONE, SpecPolicy
+
+    def first_probe(policy, rows):
+        for i in range(1000):
+            plan = policy.plan(rows)
+            drafted = 1 if plan == ONE else 0
+            policy.record(rows, drafted, rows + drafted, 0.05 * rows + 0.1 * drafted)  # a draft never pays
+            if plan == ONE:
+                return i
+        return None
+
+    fresh = SpecPolicy(first_pause=4, max_pause=64)
+    assert first_probe(fresh, 16) == fresh.warmup
+    taught = SpecPolicy(first_pause=4, max_pause=64)
+    for _ in range(200):
+        first_probe(taught, 4)  # the batch of 4 probes, loses, and waits longer each time
+    waited = taught._buckets[1].pause
+    assert waited == 64
+    assert first_probe(taught, 16) == taught.warmup + waited
+    assert first_probe(taught, 3) is not None  # the smaller batch still probes on its own schedule
+
+
+def test_the_batch_policy_is_kept_with_the_drafter(small_vocab_model):
+    """What one batch measured carries over to the next batch with the same drafter (as its
+    cost curve does): engines made for the same drafter share its policy."""
+    from infer import generate
+    from infer.core.engine import Engine
+    from infer.drafting.lookup import PromptLookupDrafter
+
+    model = small_vocab_model
+    drafter = PromptLookupDrafter()
+    assert Engine(model, drafter).policy is Engine(model, drafter).policy is drafter.batch_policy()
+    assert Engine(model, PromptLookupDrafter()).policy is not drafter.batch_policy()
+    generate(model, drafter, [[1, 2, 3, 1, 2], [4, 5, 6]], max_new_tokens=6)
+    assert drafter.batch_policy().state()  # the batch of 2 measured its plain steps

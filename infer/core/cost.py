@@ -275,7 +275,9 @@ class SpecPolicy:
     ``margin``); then every row drafts, for as long as that measures faster than plain decoding.
     While plain, one row drafts again after a pause that starts at ``first_pause`` steps and doubles
     (up to ``max_pause``) with every probe that does not pay: a probe costs one row's drafting, not
-    the batch's. A single row always drafts (its drafter's own gate decides)."""
+    the batch's. Where one row's draft did not pay at a smaller batch size, a larger batch (which
+    only adds rows to pad) starts with that pause before its own first probe. A single row always
+    drafts (its drafter's own gate decides)."""
 
     BUCKETS = (1, 4, 8, 16, 32, 1 << 30)
 
@@ -287,7 +289,18 @@ class SpecPolicy:
 
     def _bucket(self, rows: int) -> _Bucket:
         b = next(i for i, top in enumerate(self.BUCKETS) if rows <= top)
-        return self._buckets.setdefault(b, _Bucket(pause=self.first_pause))
+        if b not in self._buckets:  # where one row's draft did not pay in a smaller batch, it pays less here:
+            lost = [k.pause for i, k in self._buckets.items() if i < b and self._measured(k) and not self._one_pays(k)]
+            pause = max(lost, default=0)  # wait as long as the smaller batch waits before the first probe
+            self._buckets[b] = _Bucket(pause=pause or self.first_pause, skip=pause)
+        return self._buckets[b]
+
+    def _measured(self, k: _Bucket) -> bool:
+        return k.plain_rate.steps >= self.warmup and k.extra_time.steps >= self.warmup
+
+    def _one_pays(self, k: _Bucket) -> bool:
+        """Whether one row's draft adds tokens faster than plain decoding emits them (by the margin)."""
+        return k.extra_tokens.value > (1.0 + self.margin) * k.plain_rate.value * max(k.extra_time.value, 1e-9)
 
     def plan(self, rows: int) -> int:
         """How many rows of a step of ``rows`` rows draft: :data:`ALL`, :data:`ONE` or :data:`PLAIN`."""
@@ -297,9 +310,12 @@ class SpecPolicy:
         if k.plain_rate.steps < self.warmup:
             return PLAIN
         if k.extra_time.steps < self.warmup:
+            if k.skip > 0:  # a smaller batch measured that one row's draft does not pay: wait as it does
+                k.skip -= 1
+                return PLAIN
             return ONE
         margin = 1.0 + self.margin
-        one_pays = k.extra_tokens.value > margin * k.plain_rate.value * max(k.extra_time.value, 1e-9)
+        one_pays = self._one_pays(k)
         if one_pays:
             if k.full_rate.steps < self.warmup or k.full_rate.value > margin * k.plain_rate.value:
                 return ALL

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 import torch
 
+from .cost import SpecPolicy
 from .tree import Tree, TreeSpec, tree_and_values
 
 
@@ -174,6 +175,14 @@ class Drafter(ABC):
         """Size trees by ``cost`` from now on (a drafter that sizes none ignores it)."""
         if self.cost is not None:
             self.cost = cost
+
+    def batch_policy(self) -> SpecPolicy:
+        """Whether a batched step drafts, as measured with this drafter (a
+        :class:`~infer.core.cost.SpecPolicy`): made at first use and kept, so that every batch this
+        drafter drafts for starts from what the last one measured (as its cost curve does)."""
+        if self.__dict__.get("_batch_policy") is None:
+            self._batch_policy = SpecPolicy()
+        return self._batch_policy
 
     def state(self) -> dict:
         """What the drafter has learnt so far in this generation, for benchmark records (JSON;

@@ -328,8 +328,9 @@ class Engine:
         tree: overrides the drafter's tree shape.
         max_rows: rows decoded at once; more wait in the queue.
         spawn: give every row a drafter of its own (``drafter.spawn()``).
-        policy: whether a batched step drafts at all (default: a fresh
-            :class:`~infer.core.cost.SpecPolicy`, which measures it).
+        policy: whether a batched step drafts at all (default: the drafter's
+            :meth:`~infer.core.drafter.Drafter.batch_policy`, which measures it and is kept with
+            the drafter from one batch to the next).
     """
 
     def __init__(self, verifier, drafter: Drafter | None = None, *, tree: TreeSpec | None = None, max_rows: int = 64,
@@ -342,7 +343,7 @@ class Engine:
         self.verifier.drop_rows([])  # whatever an unfinished earlier generation left behind
         self.tree, self.max_rows, self.spawn = tree, max_rows, spawn
         self.base_cost = self.drafter.cost
-        self.policy = policy if policy is not None else SpecPolicy()
+        self.policy = policy if policy is not None else self.drafter.batch_policy()
         self.rows: list[_Row] = []
         self.pending: list[_Row] = []
         self._cost_rows = 1  # the batch size the rows' cost curves were set for
