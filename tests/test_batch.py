@@ -293,6 +293,38 @@ def test_a_larger_batch_waits_as_long_as_a_smaller_one_where_drafting_lost():
     assert first_probe(taught, 3) is not None  # the smaller batch still probes on its own schedule
 
 
+def test_probes_cost_a_bounded_share_of_plain_decoding():
+    """Where a probe is expensive (it pads every row to its tree: here it doubles the step), the
+    probes that do not pay add at most about ``probe_share`` to the plain decoding time, from the
+    start (a short burst of requests is all some batches see)."""
+    from infer.core.cost import ONE, SpecPolicy
+
+    policy = SpecPolicy(probe_share=0.02)
+    plain_s, extra_s = 0.1, 0.0
+    for _ in range(100):
+        plan = policy.plan(16)
+        drafted = 1 if plan == ONE else 0
+        seconds = 0.1 + 0.1 * drafted  # the probe row's 2 extra tokens cost a whole plain step: no gain
+        policy.record(16, drafted, 16 + 2 * drafted, seconds)
+        plain_s += 0.1
+        extra_s += 0.1 * drafted
+    assert extra_s / plain_s < 0.03, extra_s / plain_s
+
+
+def test_drafting_steps_are_compared_with_plain_steps_of_their_row_count():
+    """A bucket holds several row counts: every row drafting at 4 rows must beat plain decoding at
+    4 rows, not the mean of plain steps at 2 and 4 rows (which emit half and all the tokens)."""
+    from infer.core.cost import SpecPolicy
+
+    policy = SpecPolicy()
+    for rows in (2, 4, 2, 4):
+        policy.record(rows, 0, rows, 0.1)  # plain: 20 and 40 tokens/s
+    for _ in range(4):
+        policy.record(4, 4, 4.2, 0.11)  # every row drafting at 4 rows: 38 tokens/s, 0.95x plain there
+    gain = policy.state()["<= 4 rows"]["all_rows_gain"]
+    assert 0.9 < gain < 1.0, gain
+
+
 def test_the_batch_policy_is_kept_with_the_drafter(small_vocab_model):
     """What one batch measured carries over to the next batch with the same drafter (as its
     cost curve does): engines made for the same drafter share its policy."""

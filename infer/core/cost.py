@@ -8,6 +8,7 @@ that cost. :class:`VerifyCost` holds the measured curve (``specheads cost`` meas
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -250,15 +251,25 @@ class _Ema:
 class _Bucket:
     """What :class:`SpecPolicy` has measured for one range of batch sizes."""
 
-    plain_rate: _Ema = field(default_factory=_Ema)  # tokens/s of steps that did not draft
-    plain_time: _Ema = field(default_factory=_Ema)  # seconds of such a step
+    plain_time: dict[int, _Ema] = field(default_factory=dict)  # seconds of a step that did not draft, per row count
     extra_tokens: _Ema = field(default_factory=_Ema)  # one row drafting: tokens beyond the plain step's
     extra_time: _Ema = field(default_factory=_Ema)  # one row drafting: seconds beyond the plain step's
-    full_rate: _Ema = field(default_factory=_Ema)  # tokens/s of steps where every row drafted
+    probe_rate: _Ema = field(default_factory=_Ema)  # plain tokens/s at the row counts those probes ran at
+    full_gain: _Ema = field(default_factory=_Ema)  # every row drafting: tokens/s over plain tokens/s at its row count
     pause: int = 4
     skip: int = 0
-    full_pause: int = 1
+    full_pause: int = 4
     full_skip: int = 0
+
+    @property
+    def plain_steps(self) -> int:
+        return sum(e.steps for e in self.plain_time.values())
+
+    def plain_seconds(self, rows: int) -> float | None:
+        """A plain step's seconds at ``rows`` rows (at the nearest row count measured), or None."""
+        if not self.plain_time:
+            return None
+        return self.plain_time[min(self.plain_time, key=lambda r: (abs(r - rows), r))].value
 
 
 #: How many of a step's rows draft, as :meth:`SpecPolicy.plan` decides it
@@ -268,23 +279,25 @@ PLAIN, ONE, ALL = 0, 1, -1
 class SpecPolicy:
     """How many rows of a batched step draft (dynamic speculation): measured, not modelled.
 
-    Per batch-size bucket (2-4, 5-8, 9-16, 17-32, more rows) it measures plain steps (tokens/s and
-    seconds), steps where a single row drafts (the tokens and seconds that row's draft adds: its
-    marginal rate), and steps where every row drafts (tokens/s). A batch decodes plainly until a
-    single row's draft has measured to add tokens faster than plain decoding emits them (by
-    ``margin``); then every row drafts, for as long as that measures faster than plain decoding.
-    While plain, one row drafts again after a pause that starts at ``first_pause`` steps and doubles
-    (up to ``max_pause``) with every probe that does not pay: a probe costs one row's drafting, not
-    the batch's. Where one row's draft did not pay at a smaller batch size, a larger batch (which
-    only adds rows to pad) starts with that pause before its own first probe. A single row always
-    drafts (its drafter's own gate decides)."""
+    Per batch-size bucket (2-4, 5-8, 9-16, 17-32, more rows) it measures plain steps (seconds, per
+    row count), steps where a single row drafts (the tokens and seconds that row's draft adds: its
+    marginal rate), and steps where every row drafts (tokens/s over plain tokens/s at the same row
+    count). A batch decodes plainly until a single row's draft has measured to add tokens faster
+    than plain decoding emits them (by ``margin``); then every row drafts, for as long as that
+    measures faster than plain decoding. While plain, one row drafts again after a pause that
+    starts at ``first_pause`` steps and doubles (up to ``max_pause``) with every probe that does not
+    pay, and is at least long enough that probes cost at most ``probe_share`` of the plain decoding
+    time (a probe pads every row to its tree: its cost grows with the batch). Where one row's draft
+    did not pay at a smaller batch size, a larger batch (which only adds rows to pad) starts with
+    that pause before its own first probe. A single row always drafts (its drafter's own gate
+    decides)."""
 
     BUCKETS = (1, 4, 8, 16, 32, 1 << 30)
 
     def __init__(self, *, alpha: float = 0.25, warmup: int = 2, margin: float = 0.05, first_pause: int = 4,
-                 max_pause: int = 256):
+                 max_pause: int = 256, probe_share: float = 0.02):
         self.alpha, self.warmup, self.margin = alpha, warmup, margin
-        self.first_pause, self.max_pause = first_pause, max_pause
+        self.first_pause, self.max_pause, self.probe_share = first_pause, max_pause, probe_share
         self._buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, rows: int) -> _Bucket:
@@ -292,39 +305,39 @@ class SpecPolicy:
         if b not in self._buckets:  # where one row's draft did not pay in a smaller batch, it pays less here:
             lost = [k.pause for i, k in self._buckets.items() if i < b and self._measured(k) and not self._one_pays(k)]
             pause = max(lost, default=0)  # wait as long as the smaller batch waits before the first probe
-            self._buckets[b] = _Bucket(pause=pause or self.first_pause, skip=pause)
+            self._buckets[b] = _Bucket(pause=pause or self.first_pause, skip=pause, full_pause=self.first_pause)
         return self._buckets[b]
 
     def _measured(self, k: _Bucket) -> bool:
-        return k.plain_rate.steps >= self.warmup and k.extra_time.steps >= self.warmup
+        return k.plain_steps >= self.warmup and k.extra_time.steps >= self.warmup
 
     def _one_pays(self, k: _Bucket) -> bool:
         """Whether one row's draft adds tokens faster than plain decoding emits them (by the margin)."""
-        return k.extra_tokens.value > (1.0 + self.margin) * k.plain_rate.value * max(k.extra_time.value, 1e-9)
+        return k.extra_tokens.value > (1.0 + self.margin) * k.probe_rate.value * max(k.extra_time.value, 1e-9)
 
     def plan(self, rows: int) -> int:
         """How many rows of a step of ``rows`` rows draft: :data:`ALL`, :data:`ONE` or :data:`PLAIN`."""
         if rows < 2:
             return ALL
         k = self._bucket(rows)
-        if k.plain_rate.steps < self.warmup:
+        if k.plain_steps < self.warmup:
             return PLAIN
         if k.extra_time.steps < self.warmup:
-            if k.skip > 0:  # a smaller batch measured that one row's draft does not pay: wait as it does
+            if k.skip > 0:  # the last probe's cost, or a smaller batch's verdict, says wait
                 k.skip -= 1
                 return PLAIN
             return ONE
         margin = 1.0 + self.margin
         one_pays = self._one_pays(k)
         if one_pays:
-            if k.full_rate.steps < self.warmup or k.full_rate.value > margin * k.plain_rate.value:
+            if k.full_gain.steps < self.warmup or k.full_gain.value > margin:
                 return ALL
             if k.full_skip > 0:  # every row drafting lost: try it again after a pause that doubles
                 k.full_skip -= 1
             else:
                 k.full_skip = k.full_pause
                 k.full_pause = min(2 * k.full_pause, self.max_pause)
-                k.full_rate = _Ema()
+                k.full_gain = _Ema()
                 return ALL
         if k.skip > 0:
             k.skip -= 1
@@ -334,24 +347,35 @@ class SpecPolicy:
         return ONE
 
     def record(self, rows: int, drafted: int, tokens: int, seconds: float) -> None:
-        """A step of ``rows`` rows, ``drafted`` of which drafted, emitted ``tokens`` in ``seconds``."""
+        """A step of ``rows`` rows, ``drafted`` of which drafted, emitted ``tokens`` in ``seconds``.
+
+        Drafting steps are compared with plain steps of the same row count (the nearest measured):
+        a bucket holds several row counts, and a plain step of 4 rows emits twice the tokens of one
+        of 2 in about the same time. After a probe, the next waits until the probe's extra time is
+        at most ``probe_share`` of the plain decoding time in between."""
         if rows < 2 or not seconds > 0:
             return
         k, a = self._bucket(rows), self.alpha
         if drafted == 0:
-            k.plain_rate.add(tokens / seconds, a)
-            k.plain_time.add(seconds, a)
-        elif drafted < rows:
-            if k.plain_time.steps:
-                k.extra_tokens.add((tokens - rows) / drafted, a)
-                k.extra_time.add(max(seconds - k.plain_time.value, 0.0) / drafted, a)
+            k.plain_time.setdefault(rows, _Ema()).add(seconds, a)
+            return
+        plain = k.plain_seconds(rows)
+        if plain is None:
+            return
+        if drafted < rows:
+            extra = max(seconds - plain, 0.0)
+            k.extra_tokens.add((tokens - rows) / drafted, a)
+            k.extra_time.add(extra / drafted, a)
+            k.probe_rate.add(rows / plain, a)
+            if (tokens - rows) * plain < (1.0 + self.margin) * rows * extra:  # this probe did not pay
+                k.skip = max(k.skip, math.ceil(extra / (self.probe_share * plain)))
         else:
-            k.full_rate.add(tokens / seconds, a)
+            k.full_gain.add((tokens / seconds) / (rows / plain), a)
 
     def state(self) -> dict:
         """What was measured per bucket, for benchmark records."""
-        return {f"<= {self.BUCKETS[b]} rows": {"plain_tok_s": round(k.plain_rate.value, 2),
+        return {f"<= {self.BUCKETS[b]} rows": {"plain_ms": {r: round(1e3 * e.value, 2) for r, e in sorted(k.plain_time.items())},
                                                "one_row_extra_tokens": round(k.extra_tokens.value, 3),
                                                "one_row_extra_ms": round(1e3 * k.extra_time.value, 2),
-                                               "all_rows_tok_s": round(k.full_rate.value, 2)}
+                                               "all_rows_gain": round(k.full_gain.value, 3)}
                 for b, k in sorted(self._buckets.items())}
