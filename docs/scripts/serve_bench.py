@@ -4,7 +4,8 @@
 
     python docs/scripts/serve_bench.py --out results/serve-bench.json --plot results/serve-bench.png
 
-The three servers run at once on loopback ports (each waits idle while another is measured);
+The three servers run at once on loopback ports (started one after another, so that each measures
+its verify-cost curve on an idle machine; each waits idle while another is measured);
 the load generator gives each level to every server in turn. Each server is stopped with SIGTERM.
 """
 
@@ -61,12 +62,11 @@ def main() -> int:
     levels = [int(x) for x in args.levels.split(",")]
     procs, servers = [], {}
     try:
-        for i, (label, extra) in enumerate(SERVERS.items()):
-            port = args.base_port + i
+        for i, (label, extra) in enumerate(SERVERS.items()):  # one after another: each measures its verify-cost
+            port = args.base_port + i                            # curve at start-up, on an otherwise idle machine
             procs.append(start(extra, port, args.verifier, max(levels)))
             servers[label] = f"http://127.0.0.1:{port}"
-        for url, proc in zip(servers.values(), procs):
-            wait_up(url, proc)
+            wait_up(servers[label], procs[-1])
         models = {label: httpx.get(url + "/v1/models").json()["data"][0]["id"] for label, url in servers.items()}
         results = {"levels": levels, "requests": args.requests, "max_tokens": args.max_tokens, "sets": {}}
         for name, (path, per_category) in PROMPTS.items():
