@@ -329,12 +329,13 @@ def test_the_batch_policy_is_kept_with_the_drafter(small_vocab_model):
     """What one batch measured carries over to the next batch with the same drafter (as its
     cost curve does): engines made for the same drafter share its policy."""
     from infer import generate
+    from infer.core.cost import SpecPolicy
     from infer.core.engine import Engine
     from infer.drafting.lookup import PromptLookupDrafter
 
     model = small_vocab_model
     drafter = PromptLookupDrafter()
-    assert Engine(model, drafter).policy is Engine(model, drafter).policy is drafter.batch_policy()
-    assert Engine(model, PromptLookupDrafter()).policy is not drafter.batch_policy()
+    assert Engine(model, drafter).policy is Engine(model, drafter).policy is drafter.batch_policy(SpecPolicy)
+    assert Engine(model, PromptLookupDrafter()).policy is not drafter.batch_policy(SpecPolicy)
     generate(model, drafter, [[1, 2, 3, 1, 2], [4, 5, 6]], max_new_tokens=6)
-    assert drafter.batch_policy().state()  # the batch of 2 measured its plain steps
+    assert drafter.batch_policy(SpecPolicy).state()  # the batch of 2 measured its plain steps

@@ -28,7 +28,6 @@ from functools import lru_cache
 
 import torch
 
-from .cost import SpecPolicy
 from .tree import Tree, TreeSpec, tree_and_values
 
 
@@ -176,12 +175,13 @@ class Drafter(ABC):
         if self.cost is not None:
             self.cost = cost
 
-    def batch_policy(self) -> SpecPolicy:
-        """Whether a batched step drafts, as measured with this drafter (a
-        :class:`~infer.core.cost.SpecPolicy`): made at first use and kept, so that every batch this
-        drafter drafts for starts from what the last one measured (as its cost curve does)."""
+    def batch_policy(self, make):
+        """Whether a batched step drafts, as measured with this drafter (what ``make()`` builds, a
+        :class:`~infer.core.cost.SpecPolicy` in the engine): made at first use and kept, so that
+        every batch this drafter drafts for starts from what the last one measured (as its cost
+        curve does)."""
         if self.__dict__.get("_batch_policy") is None:
-            self._batch_policy = SpecPolicy()
+            self._batch_policy = make()
         return self._batch_policy
 
     def state(self) -> dict:

@@ -343,7 +343,7 @@ class Engine:
         self.verifier.drop_rows([])  # whatever an unfinished earlier generation left behind
         self.tree, self.max_rows, self.spawn = tree, max_rows, spawn
         self.base_cost = self.drafter.cost
-        self.policy = policy if policy is not None else self.drafter.batch_policy()
+        self.policy = policy if policy is not None else self.drafter.batch_policy(SpecPolicy)
         self.rows: list[_Row] = []
         self.pending: list[_Row] = []
         self._cost_rows = 1  # the batch size the rows' cost curves were set for
