@@ -291,10 +291,42 @@ def test_the_load_generator_measures_a_local_server_and_refuses_others(server):
     with pytest.raises(UserError, match="only sends load to this machine"):
         loadgen.check_url("http://example.com:8000")
     assert loadgen.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5 and loadgen.percentile([], 0.5) is None
-    res = loadgen.run({"a": (server.url, NAME), "b": (server.url, NAME)}, ["hello", "one two three"], [1, 2], 3, 8)
+    res = loadgen.run({"a": (server.url, NAME), "b": (server.url, NAME)}, ["hello", "one two three"], [1, 2], 3, 8,
+                      rounds=2)
     for label in ("a", "b"):
         for level in ("1", "2"):
-            row = res[label][level]
-            assert row["requests"] == 3 and row["failed"] == 0 and row["tokens"] == 24, row
+            row = res[label][level]  # two rounds pooled
+            assert row["requests"] == 6 and row["failed"] == 0 and row["tokens"] == 48, row
+            assert len(row["round_wall_s"]) == 2 and row["wall_s"] == pytest.approx(sum(row["round_wall_s"]), abs=0.02)
             assert row["tokens_per_s"] > 0 and row["ttft_p50_s"] > 0 and row["nodes_per_row_step"] >= 1.0
     assert "| a | 2 |" in loadgen.table(res)
+
+
+def test_a_reader_behind_the_engine_gets_every_chunk_as_it_was(tiny):
+    """The engine thread may finish a generation before the HTTP side reads its first chunk: each
+    chunk must still say whether it was the last one then (not what the running stats say later)."""
+    import asyncio
+
+    from infer.core.engine import Engine
+    from infer.core.params import SamplingParams
+    from infer.tools.serve import EngineLoop, Metrics, Request
+
+    limits = Limits(max_rows=4, max_queue=8, max_tokens=64, max_body_bytes=4096, timeout_s=60)
+    loop_ = EngineLoop(Engine(tiny.model, None), [], tiny.tokenizer, limits, Metrics())
+    aio = asyncio.new_event_loop()
+    try:
+        req = Request(tiny.tokenizer("hello there")["input_ids"], SamplingParams(max_new_tokens=12), [], aio)
+        loop_.start()
+        loop_.submit(req)
+        deadline = time.time() + 60
+        while (req.index is None or loop_.engine.busy) and time.time() < deadline:
+            time.sleep(0.01)  # the reader waits until the engine is done with the whole generation
+        aio.run_until_complete(asyncio.sleep(0))  # deliver what the engine thread handed over
+        chunks = []
+        while not req.queue.empty():
+            chunks.append(req.queue.get_nowait())
+    finally:
+        loop_.stop(1.0)
+        aio.close()
+    assert sum(len(c.token_ids) for c in chunks) == 12
+    assert [bool(c.stats.finish_reason) for c in chunks] == [False] * (len(chunks) - 1) + [True]

@@ -18,11 +18,12 @@ FastAPI, uvicorn and prometheus-client are imported here only (``pip install spe
 """
 
 import asyncio
+import copy
 import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..core.engine import Chunk, Engine
 from ..core.errors import UserError
@@ -191,7 +192,10 @@ class EngineLoop:
                 req = self._by_index.get(chunk.index)
                 if req is None:
                     continue
-                req.put(chunk)
+                # the engine's chunks share one running stats object per generation: the request's
+                # reader (another thread) gets them as they were at this step, not as a later step
+                # left them (a reader behind the engine took an earlier chunk for the last one)
+                req.put(replace(chunk, stats=copy.copy(chunk.stats)))
                 if chunk.stats.finish_reason:
                     del self._by_index[chunk.index]
 
