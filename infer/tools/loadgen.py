@@ -7,7 +7,8 @@
 For each concurrency ``c``: ``c`` clients, each sending its next streamed chat request as soon as
 the last one ended, until ``--requests`` requests are done (the prompts in file order, repeated
 if needed; greedy). Several servers (``--url LABEL=URL``, repeated) take turns at every level, so
-that a comparison is measured side by side in one run. Per request: time to first token (TTFT) and time per output token after it
+that a comparison is measured side by side in one run; ``--rounds R`` repeats each level R times in
+turns and pools them (less noise in a ratio). Per request: time to first token (TTFT) and time per output token after it
 (TPOT); per level, after a warm-up of ``c`` short requests at that concurrency: throughput (tokens/s over all requests), p50/p95 of both, and from the
 server's ``/metrics`` the mean tree nodes per row per verify step during the level (1.0: the
 server did not draft at all) and the mean tokens per verify step (tau). Loopback addresses only:
@@ -121,15 +122,18 @@ def _counters(url: str) -> dict[str, float]:
     return out
 
 
-def summarize(samples: list[Sample], wall: float, before: dict, after: dict) -> dict:
-    """One level's row of the table."""
+def summarize(samples: list[Sample], walls: list[float], before: dict, after: dict) -> dict:
+    """One level's row of the table, over all its rounds (``walls``: each round's seconds;
+    ``before``/``after``: the server's counters around the level's rounds, summed)."""
     ok = [s for s in samples if s.ok]
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = delta.get("specheads_row_verify_steps_total", 0.0)
     tpots = [s.tpot for s in ok if s.tpot is not None]
+    wall = sum(walls)
     return {
         "requests": len(samples), "failed": len(samples) - len(ok), "tokens": sum(s.tokens for s in ok),
         "wall_s": round(wall, 2), "tokens_per_s": round(sum(s.tokens for s in ok) / wall, 2) if wall else None,
+        "round_wall_s": [round(w, 2) for w in walls],
         "ttft_p50_s": _r(percentile([s.ttft for s in ok], 0.5)), "ttft_p95_s": _r(percentile([s.ttft for s in ok], 0.95)),
         "tpot_p50_s": _r(percentile(tpots, 0.5)), "tpot_p95_s": _r(percentile(tpots, 0.95)),
         "nodes_per_row_step": round(delta.get("specheads_row_tree_nodes_total", 0.0) / steps, 3) if steps else None,
@@ -142,22 +146,38 @@ def _r(x):
 
 
 def run(servers: dict[str, tuple[str, str]], prompts: list[str], levels: list[int], requests: int, max_tokens: int,
-        timeout: float = 600.0) -> dict:
+        timeout: float = 600.0, rounds: int = 1) -> dict:
     """Every concurrency level against every server (``{label: (url, model)}``), interleaved: at
-    each level the servers take turns (in alternating order from one level to the next), so that
-    machine noise hits them alike; returns ``{label: {level: summary}}``."""
+    each level the servers take turns (in alternating order from one turn to the next), ``rounds``
+    times, so that machine noise hits them alike; returns ``{label: {level: summary}}`` (a level's
+    summary pools its rounds: tokens/s is all tokens over all rounds' seconds)."""
+    if rounds < 1:
+        raise UserError(f"rounds must be a positive integer, not {rounds!r}")
     out: dict[str, dict] = {label: {} for label in servers}
     for url, model in servers.values():  # warm-up: a server's first request pays for lazy work
         asyncio.run(_level(check_url(url), model, prompts, 1, 1, 4, timeout))
-    for i, c in enumerate(levels):
-        order = list(servers) if i % 2 == 0 else list(reversed(servers))
-        for label in order:
-            url, model = servers[label]
+    turn = 0
+    for c in levels:
+        for label in servers:
             # warm-up at this concurrency (a server learns per batch size whether drafting pays): c short requests
+            url, model = servers[label]
             asyncio.run(_level(url, model, prompts, c, c, 16, timeout))
-            before = _counters(url)
-            samples, wall = asyncio.run(_level(url, model, prompts, c, requests, max_tokens, timeout))
-            out[label][str(c)] = summarize(samples, wall, before, _counters(url))
+        pooled = {label: ([], [], {}, {}) for label in servers}  # samples, walls, counters before, after (summed)
+        for _ in range(rounds):
+            order = list(servers) if turn % 2 == 0 else list(reversed(servers))
+            turn += 1
+            for label in order:
+                url, model = servers[label]
+                samples, walls, before, after = pooled[label]
+                for k, v in _counters(url).items():
+                    before[k] = before.get(k, 0.0) + v
+                got, wall = asyncio.run(_level(url, model, prompts, c, requests, max_tokens, timeout))
+                for k, v in _counters(url).items():
+                    after[k] = after.get(k, 0.0) + v
+                samples += got
+                walls.append(wall)
+        for label, (samples, walls, before, after) in pooled.items():
+            out[label][str(c)] = summarize(samples, walls, before, after)
     return out
 
 
@@ -196,6 +216,8 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every level this many times per server, in turns (pooled: less noise in a comparison)")
     p.add_argument("--label", default="run", help="the name of a run given by a plain --url in --out")
     p.add_argument("--out", required=True, help="JSON file: {label: {concurrency: summary}} (merged with what is there)")
     p.add_argument("--plot", default=None, help="PNG of every run in --out")
@@ -221,6 +243,8 @@ def cmd_loadgen(args) -> int:
         raise UserError(f"--requests must be in 1..{MAX_REQUESTS}")
     if args.max_tokens < 1:
         raise UserError("--max-tokens must be a positive integer")
+    if not 1 <= args.rounds <= 100:
+        raise UserError("--rounds must be in 1..100")
     out = check_output_file(args.out, "--out")
     prompts = [p.text for p in read_prompts(args.prompts, limit=args.limit)]
     if not prompts:
@@ -233,7 +257,7 @@ def cmd_loadgen(args) -> int:
             servers[label] = (url, httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"])
         except (httpx.HTTPError, KeyError, IndexError, ValueError):
             raise UserError(f"no specheads server answers at {url}: start one with `specheads serve`") from None
-    results = run(servers, prompts, levels, args.requests, args.max_tokens)
+    results = run(servers, prompts, levels, args.requests, args.max_tokens, rounds=args.rounds)
     from heads.io import write_atomic
 
     merged = json.loads(out.read_text()) if out.exists() else {}
