@@ -125,6 +125,50 @@ def test_rows_join_a_running_batch_without_changing_anyones_output(llama):
     assert max(sizes) == 3
 
 
+def test_prompts_of_unlike_lengths_are_prefilled_in_passes_of_their_own():
+    from infer.core.batch import prefill_groups
+
+    assert prefill_groups([50, 52, 49, 51], pass_tokens=64) == [[2, 0, 3, 1]]  # alike: one pass
+    # 14 short prompts and two long ones (Spec-Bench at 16 clients): the long ones in a pass of their own
+    lengths = [44, 47, 53, 54, 56, 58, 64, 65, 66, 68, 73, 78, 81, 85, 210, 233]
+    groups = [sorted(lengths[i] for i in g) for g in prefill_groups(lengths, pass_tokens=64)]
+    assert groups[-1] == [210, 233] and sorted(x for g in groups for x in g) == lengths
+    slots = sum(64 + len(g) * max(g) for g in groups)
+    assert slots < 0.5 * (64 + 16 * 233), groups  # less than half the one padded pass
+    assert prefill_groups([5, 900], pass_tokens=64) == [[0], [1]]
+    assert prefill_groups([5, 40], pass_tokens=64) == [[0, 1]]  # a pass costs more than 35 padded slots
+    assert prefill_groups([], pass_tokens=64) == []
+    assert sorted(i for g in prefill_groups([7, 3, 9, 1, 30], pass_tokens=0) for i in g) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kind", ["oracle", "none"])
+def test_rows_prefilled_in_several_passes_equal_hf_greedy(llama, kind):
+    """Every prompt in a pass of its own (a pass costs nothing): rows join in the passes' order
+    (shortest first), and each row is still HF greedy, also when more join a running batch."""
+    ps = prompts((3, 17, 40, 9, 25, 6))
+    refs = [hf_greedy(llama, p, 16) for p in ps]
+    by_prompt = {tuple(p.tolist()): r for p, r in zip(ps, refs)}
+    drafter = PerPromptOracle(by_prompt, TREE, p_right=0.7, seed=2) if kind == "oracle" else None
+    engine = Engine(Verifier(llama), drafter)
+    engine.PREFILL_PASS_TOKENS = 0
+    index = {engine.add(p, SamplingParams(max_new_tokens=16)): i for i, p in enumerate(ps[:4])}
+    got: dict[int, list[int]] = {}
+    steps = 0
+    while engine.busy:
+        if steps == 2:
+            index.update({engine.add(p, SamplingParams(max_new_tokens=16)): 4 + i for i, p in enumerate(ps[4:])})
+        if steps == 0:
+            first = engine.step()
+            assert [len(ps[index[c.index]]) for c in first] == [3, 9, 17, 40]  # four passes, shortest first
+            chunks = first
+        else:
+            chunks = engine.step()
+        for chunk in chunks:
+            got.setdefault(index[chunk.index], []).extend(chunk.token_ids)
+        steps += 1
+    assert [got[i] for i in range(len(ps))] == refs
+
+
 def test_a_cancelled_row_leaves_and_the_others_are_unchanged(llama):
     ps = prompts((8, 20, 14))
     refs = [hf_greedy(llama, p, 16) for p in ps]

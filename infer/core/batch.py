@@ -139,3 +139,28 @@ def _pad_q(q: torch.Tensor | None, n: int, vocab: int, device) -> torch.Tensor:
     if q is not None:
         out[: q.shape[0]] = q.float()
     return out
+
+
+def prefill_groups(lengths: Sequence[int], pass_tokens: int = 64) -> list[list[int]]:
+    """Prompts of ``lengths`` (``[R]`` token counts) split into left-padded prefill passes.
+
+    A pass costs about its padded token slots (rows x its longest prompt) plus ``pass_tokens``
+    slots for the pass itself (reading the weights, launching its kernels). The prompts, sorted by
+    length, are cut into the consecutive groups that minimise that sum (one group when the lengths
+    are alike; a short prompt is not padded to a long one's length when that costs more than a pass).
+    Returns the groups as lists of indices into ``lengths``, shortest prompts first."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cheapest split of the j shortest prompts
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        width = lengths[order[j - 1]]  # the longest prompt of a group that ends at j
+        for i in range(j):
+            c = best[i] + pass_tokens + width * (j - i)
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]

@@ -28,7 +28,7 @@ from .accept import (
     typical_accept,
     warp_probs,
 )
-from .batch import TreeBatch, stack_drafts
+from .batch import TreeBatch, prefill_groups, stack_drafts
 from .cost import ALL, ONE, BatchCost, SpecPolicy
 from .drafter import Draft, Drafter, NoDrafter, host_draft
 from .errors import UserError
@@ -310,7 +310,8 @@ class Engine:
     """Speculative decoding of many generations at once, with continuous batching.
 
     :meth:`add` queues a generation; :meth:`step` runs one pass: the queued generations join
-    (their prompts prefilled in one left-padded pass, their first tokens returned), or, when none
+    (their prompts prefilled in left-padded passes, one per group of like lengths, their first
+    tokens returned), or, when none
     waits, every running row is drafted, verified in one masked pass and accepted; rows that end
     (eos, a stop string, their token limit, :meth:`cancel`) leave the batch. One engine owns its
     verifier's KV cache: drive it from one thread.
@@ -332,6 +333,10 @@ class Engine:
             :meth:`~infer.core.drafter.Drafter.batch_policy`, which measures it and is kept with
             the drafter from one batch to the next).
     """
+
+    #: what a prefill pass costs beyond its padded token slots, in token slots: joining prompts of
+    #: unlike lengths are prefilled in separate passes where that saves more (:func:`prefill_groups`)
+    PREFILL_PASS_TOKENS = 64
 
     def __init__(self, verifier, drafter: Drafter | None = None, *, tree: TreeSpec | None = None, max_rows: int = 64,
                  spawn: bool = True, policy: SpecPolicy | None = None):
@@ -418,13 +423,18 @@ class Engine:
         return self._decode() if self.rows else []
 
     def _admit(self, rows: list[_Row]) -> list[Chunk]:
-        """Prefill ``rows`` in one pass, append them to the batch; their first tokens."""
+        """Prefill ``rows`` (in passes of like prompt lengths), append them to the batch; their first tokens."""
         del self.pending[: len(rows)]
         self.last_sizes = ()
         if not self.rows:
             self.verifier.drop_rows([])  # what the last generation left
         t0 = time.perf_counter()
-        outs = self.verifier.add_rows([r.ids for r in rows])
+        groups = prefill_groups([int(r.ids.numel()) for r in rows], self.PREFILL_PASS_TOKENS)
+        rows = [rows[i] for group in groups for i in group]  # the batch's rows in the order of their passes
+        outs, at = [], 0
+        for group in groups:  # prompts of unlike lengths in passes of their own: less padding
+            outs += self.verifier.add_rows([r.ids for r in rows[at:at + len(group)]])
+            at += len(group)
         firsts = []
         for row, out in zip(rows, outs):
             row.drafter.set_params(row.params)
