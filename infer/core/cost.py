@@ -295,7 +295,7 @@ class SpecPolicy:
     BUCKETS = (1, 4, 8, 16, 32, 1 << 30)
 
     def __init__(self, *, alpha: float = 0.25, warmup: int = 2, margin: float = 0.05, first_pause: int = 4,
-                 max_pause: int = 256, probe_share: float = 0.01):
+                 max_pause: int = 256, probe_share: float = 0.005):
         self.alpha, self.warmup, self.margin = alpha, warmup, margin
         self.first_pause, self.max_pause, self.probe_share = first_pause, max_pause, probe_share
         self._buckets: dict[int, _Bucket] = {}
