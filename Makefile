@@ -41,7 +41,8 @@ bench: setup
 		--max-new-tokens 256 --verify-cost --out results/bench-unseen.json --plot results/bench-unseen.png
 
 # the serving table of BENCHMARKS.md: specheads serve with --draft auto, none, and auto one request at a time,
-# loaded side by side by specheads loadgen at 1, 4 and 16 clients on Spec-Bench and the unseen prompts (~15 min)
+# loaded by specheads loadgen at 1, 4 and 16 clients on Spec-Bench and the unseen prompts, auto and none in turns
+# three times per level (~30 min)
 serve-bench: setup
 	$(BIN)/python docs/scripts/serve_bench.py --out results/serve-bench.json --plot results/serve-bench.png
 
