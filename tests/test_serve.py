@@ -167,8 +167,8 @@ def test_models_health_and_metrics(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     text = httpx.get(server.url + "/metrics").text
     for name in ("specheads_requests_total", "specheads_tau", "specheads_batch_size", "specheads_queue_length",
-                 "specheads_step_seconds_bucket", "specheads_prompt_tokens_total", "specheads_prefill_passes_total",
-                 "specheads_prefill_rows_total", "specheads_prefill_seconds_total", "specheads_decode_seconds_total"):
+                 "specheads_step_seconds_bucket", "specheads_prompt_tokens_total", "specheads_admissions_total",
+                 "specheads_admitted_rows_total", "specheads_admission_seconds_total", "specheads_decode_seconds_total"):
         assert name in text, name
 
 
@@ -299,7 +299,7 @@ def test_the_load_generator_measures_a_local_server_and_refuses_others(server):
             row = res[label][level]  # two rounds pooled
             assert row["requests"] == 6 and row["failed"] == 0 and row["tokens"] == 48, row
             assert len(row["round_wall_s"]) == 2 and row["wall_s"] == pytest.approx(sum(row["round_wall_s"]), abs=0.02)
-            assert 1 <= row["prefill_passes"] <= 6 and row["prefill_s"] > 0 and row["decode_s"] > 0, row
+            assert 1 <= row["admissions"] <= 6 and row["admission_s"] > 0 and row["decode_s"] > 0, row
             assert row["tokens_per_s"] > 0 and row["ttft_p50_s"] > 0 and row["nodes_per_row_step"] >= 1.0
     assert "| a | 2 |" in loadgen.table(res)
 

@@ -311,8 +311,7 @@ class Engine:
 
     :meth:`add` queues a generation; :meth:`step` runs one pass: the queued generations join
     (their prompts prefilled in left-padded passes, one per group of like lengths, their first
-    tokens returned), or, when none
-    waits, every running row is drafted, verified in one masked pass and accepted; rows that end
+    tokens returned), or, when none waits, every running row is drafted, verified in one masked pass and accepted; rows that end
     (eos, a stop string, their token limit, :meth:`cancel`) leave the batch. One engine owns its
     verifier's KV cache: drive it from one thread.
 
@@ -429,12 +428,10 @@ class Engine:
         if not self.rows:
             self.verifier.drop_rows([])  # what the last generation left
         t0 = time.perf_counter()
-        groups = prefill_groups([int(r.ids.numel()) for r in rows], self.PREFILL_PASS_TOKENS)
-        rows = [rows[i] for group in groups for i in group]  # the batch's rows in the order of their passes
-        outs, at = [], 0
-        for group in groups:  # prompts of unlike lengths in passes of their own: less padding
-            outs += self.verifier.add_rows([r.ids for r in rows[at:at + len(group)]])
-            at += len(group)
+        # prompts of unlike lengths in passes of their own (less padding); the batch's rows in pass order
+        groups = [[rows[i] for i in g] for g in prefill_groups([int(r.ids.numel()) for r in rows], self.PREFILL_PASS_TOKENS)]
+        rows = [r for group in groups for r in group]
+        outs = [out for group in groups for out in self.verifier.add_rows([r.ids for r in group])]
         firsts = []
         for row, out in zip(rows, outs):
             row.drafter.set_params(row.params)

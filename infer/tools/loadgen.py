@@ -11,8 +11,8 @@ that a comparison is measured side by side in one run; ``--rounds R`` repeats ea
 turns and pools them (less noise in a ratio). Per request: time to first token (TTFT) and time per output token after it
 (TPOT); per level, after a warm-up of ``c`` short requests at that concurrency: throughput (tokens/s over all requests), p50/p95 of both, and from the
 server's ``/metrics`` the mean tree nodes per row per verify step during the level (1.0: the
-server did not draft at all), the mean tokens per verify step (tau), and the admission (prefill)
-passes and the seconds of admission and decode steps. Loopback addresses only:
+server did not draft at all), the mean tokens per verify step (tau), and the admission steps
+(prefill) and the seconds of admission and decode steps. Loopback addresses only:
 the generator refuses to send load anywhere else.
 """
 
@@ -117,7 +117,7 @@ def _counters(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=30).text
     out = {}
     for line in text.splitlines():
-        if line.startswith(("specheads_row_", "specheads_generation_tokens_total", "specheads_prefill_",
+        if line.startswith(("specheads_row_", "specheads_generation_tokens_total", "specheads_admission",
                             "specheads_decode_seconds_total")):
             name, value = line.split()
             out[name] = float(value)
@@ -140,8 +140,8 @@ def summarize(samples: list[Sample], walls: list[float], before: dict, after: di
         "tpot_p50_s": _r(percentile(tpots, 0.5)), "tpot_p95_s": _r(percentile(tpots, 0.95)),
         "nodes_per_row_step": round(delta.get("specheads_row_tree_nodes_total", 0.0) / steps, 3) if steps else None,
         "tau": round(delta.get("specheads_row_accepted_tokens_total", 0.0) / steps, 3) if steps else None,
-        "prefill_passes": int(delta.get("specheads_prefill_passes_total", 0)),
-        "prefill_s": round(delta.get("specheads_prefill_seconds_total", 0.0), 2),
+        "admissions": int(delta.get("specheads_admissions_total", 0)),
+        "admission_s": round(delta.get("specheads_admission_seconds_total", 0.0), 2),
         "decode_s": round(delta.get("specheads_decode_seconds_total", 0.0), 2),
     }
 

@@ -225,10 +225,9 @@ class Metrics:
         self.waiting = Gauge("specheads_queue_length", "requests waiting for a row", registry=r)
         self.step_s = Histogram("specheads_step_seconds", "wall time of one engine step", registry=r,
                                 buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
-        self.prefills = Counter("specheads_prefill_passes", "admission steps (one left-padded prefill of the joining rows)",
-                                registry=r)
-        self.prefill_rows = Counter("specheads_prefill_rows", "rows admitted, summed over admission steps", registry=r)
-        self.prefill_s = Counter("specheads_prefill_seconds", "wall time of admission steps", registry=r)
+        self.admissions = Counter("specheads_admissions", "admission steps (the joining rows' prefill passes)", registry=r)
+        self.admitted_rows = Counter("specheads_admitted_rows", "rows admitted, summed over admission steps", registry=r)
+        self.admission_s = Counter("specheads_admission_seconds", "wall time of admission steps", registry=r)
         self.decode_s = Counter("specheads_decode_seconds", "wall time of decode steps", registry=r)
 
     def step(self, loop: EngineLoop, chunks: list[Chunk], seconds: float) -> None:
@@ -240,9 +239,9 @@ class Metrics:
         self.generated.inc(emitted)
         sizes = loop.engine.last_sizes
         if not sizes and chunks:  # an admission step
-            self.prefills.inc()
-            self.prefill_rows.inc(len(chunks))
-            self.prefill_s.inc(seconds)
+            self.admissions.inc()
+            self.admitted_rows.inc(len(chunks))
+            self.admission_s.inc(seconds)
         if sizes:  # a decode step (not an admission)
             self.decode_s.inc(seconds)
             self.drafting.set(int(loop.engine.last_drafted))
