@@ -48,6 +48,17 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise SystemExit(f"no server at {url} after {timeout} s")
 
 
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every server, then wait for each (killed after a minute)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main() -> int:
     sys.path.insert(0, str(ROOT))
     from infer.tools import loadgen
@@ -88,13 +99,7 @@ def main() -> int:
         if args.plot:
             loadgen.plot({f"{label} ({name})": r for name, run in results["sets"].items() for label, r in run.items()}, args.plot)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs)
     return 0
 
 

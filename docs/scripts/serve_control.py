@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_bench import start, wait_up  # noqa: E402
+from serve_bench import start, stop, wait_up  # noqa: E402
 
 
 def main() -> int:
@@ -71,13 +70,7 @@ def main() -> int:
                                         "max_tokens": args.max_tokens, "rounds": args.rounds, "run": run,
                                         "ratio": summary}, indent=1))
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs)
     return 0
 
 
