@@ -250,6 +250,62 @@ def test_left_padded_prefill_equals_each_prompt_alone(tiny_model):
     assert v.starts == [29, 0, 19] and v.ends == [31, 31, 31]
 
 
+def test_rows_of_unlike_lengths_write_their_nodes_after_their_own_ends(llama):
+    """Each row's nodes of a pass are written right after the row's own last entry: a plain step
+    (and any step whose accepted path is the tree's first nodes) moves no cache entry at commit,
+    a branch still moves, and every row's committed entries equal a plain forward of its tokens."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import DynamicCache
+
+    from infer.core.batch import stack_drafts
+    from infer.core.drafter import host_draft
+
+    class Moves(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.__name__.startswith(("gather", "scatter"))
+            return func(*args, **(kwargs or {}))
+
+    ps = prompts((4, 12))
+    seqs = [p.tolist() for p in ps]
+    v = Verifier(llama)
+    v.add_rows(ps)
+    v.drop_rows([1])  # the long row alone, then the short one joins: ends apart, holes on the right
+    v.add_rows([ps[0]])
+    v.drop_rows([1, 0])
+    steps = [  # per row (tokens, parents, accepted node ids)
+        [((7,), (-1,), [0]), ((8,), (-1,), [0])],
+        [((5, 6, 9), (-1, 0, 1), [0, 1, 2]), ((4, 3, 2), (-1, 0, 0), [0])],  # prefix paths: nothing moves
+        [((1,), (-1,), [0]), ((2,), (-1,), [0])],
+    ]
+    for step in steps:
+        trees = stack_drafts([host_draft(t, par) for t, par, _ in step], v.device)
+        v.verify_rows(trees)
+        ids = [acc for _, _, acc in step]
+        paths = torch.tensor([acc + [0] * (3 - len(acc)) for acc in ids])
+        with Moves() as m:
+            v.commit_rows(paths, ids)
+        assert m.n == 0
+        seqs = [seq + [step[r][0][i] for i in ids[r]] for r, seq in enumerate(seqs)]
+    assert v.ends[0] != v.ends[1]
+    trees = stack_drafts([host_draft((3, 4, 5), (-1, 0, 0)), host_draft((6,), (-1,))], v.device)
+    v.verify_rows(trees)
+    with Moves() as m:
+        v.commit_rows(torch.tensor([[0, 2], [0, 0]]), [[0, 2], [0]])  # a branch: its entry moves
+    assert m.n > 0
+    seqs = [seqs[0] + [3, 5], seqs[1] + [6]]
+    for r, seq in enumerate(seqs):
+        ref = DynamicCache()
+        with torch.no_grad():
+            llama(torch.tensor([seq]), past_key_values=ref, use_cache=True)
+        a, e = v.starts[r], v.ends[r]
+        assert e - a == len(seq)
+        for ours, theirs in zip(v.cache.layers, ref.layers):
+            torch.testing.assert_close(ours.keys[r : r + 1, :, a:e], theirs.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours.values[r : r + 1, :, a:e], theirs.values, atol=1e-5, rtol=1e-5)
+
+
 # ---- sampling: exact per row ------------------------------------------------------------------
 
 

@@ -64,7 +64,12 @@ class ReservedLayer(DynamicLayer):
     _key_buf: torch.Tensor | None = None
     _value_buf: torch.Tensor | None = None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               write_index: torch.Tensor | None = None, **kwargs):
+        """Append the pass's ``N`` positions; with ``write_index`` (``[B, H, N, D]`` column of
+        each new entry, every column below ``S + N``) row ``b``'s entries go to its own columns
+        instead of ``[S, S + N)`` (what is left in ``[S, S + N)`` of a row written lower is
+        stale: the caller masks it)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.get_seq_length()
@@ -72,8 +77,12 @@ class ReservedLayer(DynamicLayer):
         if not (_views_into(self.keys, self._key_buf, end) and _views_into(self.values, self._value_buf, end)):
             self._key_buf = _reserve(self.keys, key_states, n, end)
             self._value_buf = _reserve(self.values, value_states, n, end)
-        self._key_buf[:, :, n:end].copy_(key_states)
-        self._value_buf[:, :, n:end].copy_(value_states)
+        if write_index is None:
+            self._key_buf[:, :, n:end].copy_(key_states)
+            self._value_buf[:, :, n:end].copy_(value_states)
+        else:
+            self._key_buf.scatter_(2, write_index, key_states)
+            self._value_buf.scatter_(2, write_index, value_states)
         self.keys, self.values = self._key_buf[:, :, :end], self._value_buf[:, :, :end]
         return self.keys, self.values
 
@@ -85,19 +94,43 @@ def _views_into(view: torch.Tensor, buf: torch.Tensor | None, end: int) -> bool:
 
 
 def _reserve(old: torch.Tensor, new: torch.Tensor, n: int, end: int) -> torch.Tensor:
-    """A buffer ``[B, H, ~2 * end, D]`` like ``new`` holding the ``n`` positions of ``old``."""
-    buf = new.new_empty((*new.shape[:2], max(2 * end, 256), new.shape[3]))
+    """A buffer ``[B, H, ~2 * end, D]`` like ``new`` holding the ``n`` positions of ``old``, zeros
+    after them (a row written at its own columns leaves others of the pass unwritten: masked,
+    but they must be finite, as a masked NaN still poisons attention)."""
+    buf = new.new_zeros((*new.shape[:2], max(2 * end, 256), new.shape[3]))
     if n:
         buf[:, :, :n].copy_(old)
     return buf
 
 
 class ReservedCache(DynamicCache):
-    """A ``DynamicCache`` (no config: every layer full attention) of :class:`ReservedLayer` s."""
+    """A ``DynamicCache`` (no config: every layer full attention) of :class:`ReservedLayer` s.
+
+    ``write_at`` (``[B]`` long on the device, or None: append) is the column where each row's
+    entries of the next pass start: rows of unlike lengths write right after their own last
+    entry, so that a batched pass leaves every row's accepted prefix in place (nothing to move
+    at commit) however far the rows' lengths are apart."""
+
+    write_at: torch.Tensor | None = None
 
     def __init__(self):
         super().__init__()
         self.layer_class_to_replicate = ReservedLayer
+        self._index: dict[tuple, torch.Tensor] = {}
+
+    def set_write_at(self, write_at: torch.Tensor | None) -> None:
+        """Where each row's entries of the next pass go (``[B]``), or None to append."""
+        self.write_at = write_at
+        self._index = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.write_at is not None:
+            shape = tuple(key_states.shape)  # [B, H, N, D]: one index for every layer of the pass
+            if shape not in self._index:
+                cols = self.write_at[:, None] + torch.arange(shape[2], device=self.write_at.device)  # [B, N]
+                self._index[shape] = cols[:, None, :, None].expand(shape)
+            kwargs["write_index"] = self._index[shape]
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:
@@ -337,27 +370,35 @@ class Verifier:
                 mask = self._tree_mask(ancestors[0], s) if n > 1 else None
             else:
                 mask = self._rows_mask(ancestors)
-        else:
+        else:  # rows of unlike lengths: each row's nodes are written right after its own end
             positions = depths + (self._ends_dev - self._starts_dev)[:, None]
             mask = self._rows_mask(ancestors)
-        with kernel_context(self.kernel, b * n):
-            out = self.model(
-                input_ids=tokens,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                output_hidden_states=bool(self.feature_layers),
-                **{self._cache_kw: self.cache},
-            )
+            self.cache.set_write_at(self._ends_dev)
+        try:
+            with kernel_context(self.kernel, b * n):
+                out = self.model(
+                    input_ids=tokens,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    use_cache=True,
+                    output_hidden_states=bool(self.feature_layers),
+                    **{self._cache_kw: self.cache},
+                )
+        finally:
+            self.cache.set_write_at(None)
         return RowsOutput(out.logits, self._features(out))
 
     def _rows_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """Additive mask ``[B, 1, N, S + N]``: row ``b``'s nodes see its committed columns
-        ``[starts[b], ends[b])`` and their own ancestors, nothing else."""
+        ``[starts[b], ends[b])`` and their own ancestors, which are written at columns
+        ``ends[b] + node`` (the same as ``S + node`` when every row ends at ``S``), nothing else."""
         b, n, _ = ancestors.shape
-        cols = torch.arange(self.width, device=self.device)
-        seen = (cols >= self._starts_dev[:, None]) & (cols < self._ends_dev[:, None])  # [B, S]
-        allowed = torch.cat([seen[:, None, :].expand(b, n, -1), ancestors], dim=-1)
+        cols = torch.arange(self.width + n, device=self.device)
+        rel = cols - self._ends_dev[:, None]  # [B, S + N]: a column's place after the row's end
+        seen = (cols >= self._starts_dev[:, None]) & (rel < 0)
+        in_tree = (rel >= 0) & (rel < n)
+        tree = ancestors.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, -1)) & in_tree[:, None, :]
+        allowed = seen[:, None, :] | tree  # [B, N, S + N]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._mask_min)
         return mask[:, None]
 
@@ -402,20 +443,20 @@ class Verifier:
             node_ids: per row, the same ``k_b`` indices on the host.
             lengths: ``[B]`` the ``k_b`` on the device, if known there (else copied from the host).
 
-        Row ``b``'s accepted keys and values move to columns ``[ends[b], ends[b] + k_b)``;
-        everything past the longest row is cropped."""
-        s = self.width
+        Row ``b``'s nodes were written from column ``ends[b]`` on (:meth:`_forward`); its
+        accepted keys and values move to columns ``[ends[b], ends[b] + k_b)`` (where an accepted
+        path is the tree's first nodes, as in every plain step, nothing moves); everything past
+        the longest row is cropped."""
         ks = [len(ids) for ids in node_ids]
         if self.rows == 1:
             k_dev = ks[0]  # a number: the ends below move without a copy
         else:
             k_dev = lengths if lengths is not None else torch.tensor(ks, dtype=torch.long).to(self.device, non_blocking=True)
-        prefix = all(list(ids) == list(range(len(ids))) for ids in node_ids)
-        if not (prefix and all(e == s for e in self.ends)):  # else every accepted node is in place already
+        if not all(list(ids) == list(range(len(ids))) for ids in node_ids):  # else every accepted node is in place
             kmax = paths.shape[1]
             j = torch.arange(kmax, device=self.device)
             dst = self._ends_dev[:, None] + j  # [B, K]
-            src = s + paths
+            src = self._ends_dev[:, None] + paths
             if self.rows > 1:
                 src = torch.where(j < k_dev[:, None], src, dst)  # past a row's path: a harmless self-copy
             for layer in cache_layers(self.cache):
