@@ -16,8 +16,9 @@ import torch
 
 from conftest import VOCAB, forked_map, hf_greedy
 from infer import generate, stream
+from infer.core.batch import stack_drafts
 from infer.core.cost import BatchCost, VerifyCost
-from infer.core.drafter import Drafter, NoDrafter
+from infer.core.drafter import Drafter, NoDrafter, host_draft
 from infer.core.engine import Engine
 from infer.core.params import SamplingParams
 from infer.core.verifier import Verifier
@@ -257,9 +258,6 @@ def test_rows_of_unlike_lengths_write_their_nodes_after_their_own_ends(llama):
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import DynamicCache
 
-    from infer.core.batch import stack_drafts
-    from infer.core.drafter import host_draft
-
     class Moves(TorchDispatchMode):
         n = 0
 
@@ -304,6 +302,31 @@ def test_rows_of_unlike_lengths_write_their_nodes_after_their_own_ends(llama):
         for ours, theirs in zip(v.cache.layers, ref.layers):
             torch.testing.assert_close(ours.keys[r : r + 1, :, a:e], theirs.keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(ours.values[r : r + 1, :, a:e], theirs.values, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_leave_and_join_in_place(llama):
+    """Rows leaving move the later rows down inside the cache's buffers (no new buffer, no copy
+    of the rows before the gap); rows joining are copied once into a buffer the next pass
+    appends to; either way every row keeps its entries."""
+    ps = prompts((5, 9, 3, 7))
+    v = Verifier(llama)
+    v.add_rows(ps)
+    layer = v.cache.layers[0]
+    before = [layer.keys[r, :, v.starts[r] : v.ends[r]].clone() for r in range(4)]
+    buf = layer._key_buf.data_ptr()
+    v.drop_rows([0, 2, 3])
+    assert layer.keys.data_ptr() == buf and layer._key_buf.data_ptr() == buf
+    for r, old in zip(range(3), (before[0], before[2], before[3])):
+        torch.testing.assert_close(layer.keys[r, :, v.starts[r] : v.ends[r]], old, rtol=0, atol=0)
+    v.add_rows([prompts((12,), seed=1)[0]])
+    assert layer._key_buf.data_ptr() != buf and layer.keys.data_ptr() == layer._key_buf.data_ptr()
+    assert v.ends == [9, 9, 9, 12] and float(layer.keys[0, :, 9:].abs().sum()) == 0.0  # holes: zeros
+    for r, old in zip(range(3), (before[0], before[2], before[3])):
+        torch.testing.assert_close(layer.keys[r, :, v.starts[r] : v.ends[r]], old, rtol=0, atol=0)
+    grown = layer._key_buf.data_ptr()
+    trees = stack_drafts([host_draft((1,), (-1,))] * 4, v.device)
+    v.verify_rows(trees)
+    assert layer._key_buf.data_ptr() == grown  # the pass appended into it
 
 
 # ---- sampling: exact per row ------------------------------------------------------------------

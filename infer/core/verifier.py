@@ -63,6 +63,7 @@ class ReservedLayer(DynamicLayer):
 
     _key_buf: torch.Tensor | None = None
     _value_buf: torch.Tensor | None = None
+    _finite = 0  # every column of the buffers below this one holds finite values, in every row
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                write_index: torch.Tensor | None = None, **kwargs):
@@ -77,14 +78,52 @@ class ReservedLayer(DynamicLayer):
         if not (_views_into(self.keys, self._key_buf, end) and _views_into(self.values, self._value_buf, end)):
             self._key_buf = _reserve(self.keys, key_states, n, end)
             self._value_buf = _reserve(self.values, value_states, n, end)
+            self._finite = n
         if write_index is None:
             self._key_buf[:, :, n:end].copy_(key_states)
             self._value_buf[:, :, n:end].copy_(value_states)
+            self._finite = max(self._finite, end)
         else:
+            if end > self._finite:  # never-written memory: zeros (masked, but a masked NaN still poisons attention)
+                top = min(self._key_buf.shape[2], end + 64)
+                self._key_buf[:, :, self._finite : top].zero_()
+                self._value_buf[:, :, self._finite : top].zero_()
+                self._finite = top
             self._key_buf.scatter_(2, write_index, key_states)
             self._value_buf.scatter_(2, write_index, value_states)
         self.keys, self.values = self._key_buf[:, :, :end], self._value_buf[:, :, :end]
         return self.keys, self.values
+
+    def keep_rows(self, first: int, tail: torch.Tensor, width: int) -> None:
+        """Keep rows ``[0, first)`` and then rows ``tail`` (ascending, all past ``first``) of the
+        first ``width`` columns: the tail moves down in place in the buffers (no new buffer)."""
+        k = first + tail.numel()
+        if not (_views_into(self.keys, self._key_buf, width) and _views_into(self.values, self._value_buf, width)):
+            index = torch.cat([torch.arange(first, device=tail.device), tail])
+            self.keys = self.keys.index_select(0, index)[:, :, :width]
+            self.values = self.values.index_select(0, index)[:, :, :width]
+            return
+        for buf in (self._key_buf, self._value_buf):
+            if tail.numel():
+                buf[first:k, :, :width] = buf[:, :, :width].index_select(0, tail)
+        self._key_buf, self._value_buf = self._key_buf[:k], self._value_buf[:k]
+        self.keys, self.values = self._key_buf[:, :, :width], self._value_buf[:, :, :width]
+
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
+        """Rows ``keys`` / ``values`` ``[b, H, w, D]`` (``w <= width``) after this layer's, both
+        padded with zero columns to ``width``: one copy into a fresh buffer."""
+        bufs = []
+        for old, new in ((self.keys, keys), (self.values, values)):
+            b0 = old.shape[0]
+            buf = new.new_empty((b0 + new.shape[0], new.shape[1], max(2 * width, 256), new.shape[3]))
+            buf[:b0, :, : old.shape[2]].copy_(old)
+            buf[:b0, :, old.shape[2] : width].zero_()
+            buf[b0:, :, : new.shape[2]].copy_(new)
+            buf[b0:, :, new.shape[2] : width].zero_()
+            bufs.append(buf)
+        self._key_buf, self._value_buf = bufs
+        self.keys, self.values = self._key_buf[:, :, :width], self._value_buf[:, :, :width]
+        self._finite = width
 
 
 def _views_into(view: torch.Tensor, buf: torch.Tensor | None, end: int) -> bool:
@@ -94,10 +133,8 @@ def _views_into(view: torch.Tensor, buf: torch.Tensor | None, end: int) -> bool:
 
 
 def _reserve(old: torch.Tensor, new: torch.Tensor, n: int, end: int) -> torch.Tensor:
-    """A buffer ``[B, H, ~2 * end, D]`` like ``new`` holding the ``n`` positions of ``old``, zeros
-    after them (a row written at its own columns leaves others of the pass unwritten: masked,
-    but they must be finite, as a masked NaN still poisons attention)."""
-    buf = new.new_zeros((*new.shape[:2], max(2 * end, 256), new.shape[3]))
+    """A buffer ``[B, H, ~2 * end, D]`` like ``new`` holding the ``n`` positions of ``old``."""
+    buf = new.new_empty((*new.shape[:2], max(2 * end, 256), new.shape[3]))
     if n:
         buf[:, :, :n].copy_(old)
     return buf
@@ -305,8 +342,11 @@ class Verifier:
         else:
             s = max(self.width, width)
             for old, new in zip(cache_layers(self.cache), cache_layers(cache)):
-                old.keys, old.values = (torch.cat([_right_pad(a, s), _right_pad(b, s)]) for a, b in
-                                        ((old.keys, new.keys), (old.values, new.values)))
+                if isinstance(old, ReservedLayer):  # one copy, into the buffer the next passes append to
+                    old.append_rows(new.keys, new.values, s)
+                else:
+                    old.keys, old.values = (torch.cat([_right_pad(a, s), _right_pad(b, s)]) for a, b in
+                                            ((old.keys, new.keys), (old.values, new.values)))
             self.starts += list(pads)
             self.ends += [width] * len(pads)
         self._sync_rows()
@@ -316,6 +356,7 @@ class Verifier:
         both = torch.tensor([self.starts, self.ends], dtype=torch.long).to(self.device, non_blocking=True)
         self._starts_dev, self._ends_dev = both[0], both[1]
 
+    @torch.inference_mode()
     def drop_rows(self, keep: Sequence[int]) -> None:
         """Keep only the rows ``keep`` (indices, in the order given); the others leave the batch."""
         keep = list(keep)
@@ -325,13 +366,21 @@ class Verifier:
             self.cache, self.starts, self.ends = None, [], []
             self._sync_rows()
             return
-        index = torch.tensor(keep, dtype=torch.long).to(self.device, non_blocking=True)
         self.starts = [self.starts[i] for i in keep]
         self.ends = [self.ends[i] for i in keep]
         s = self.width
-        for layer in cache_layers(self.cache):
-            layer.keys = layer.keys.index_select(0, index)[:, :, :s]
-            layer.values = layer.values.index_select(0, index)[:, :, :s]
+        layers = cache_layers(self.cache)
+        if keep == sorted(keep) and all(isinstance(layer, ReservedLayer) for layer in layers):
+            # rows leaving: the rows after the first gap move down in place (no new buffers)
+            first = next(i for i, r in enumerate(keep + [-1]) if r != i)
+            tail = torch.tensor(keep[first:], dtype=torch.long).to(self.device, non_blocking=True)
+            for layer in layers:
+                layer.keep_rows(first, tail, s)
+        else:
+            index = torch.tensor(keep, dtype=torch.long).to(self.device, non_blocking=True)
+            for layer in layers:
+                layer.keys = layer.keys.index_select(0, index)[:, :, :s]
+                layer.values = layer.values.index_select(0, index)[:, :, :s]
         self._sync_rows()
 
     # ---- a verify pass -------------------------------------------------------------------------
