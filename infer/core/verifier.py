@@ -341,12 +341,8 @@ class Verifier:
             self.cache, self.starts, self.ends = cache, list(pads), [width] * len(pads)
         else:
             s = max(self.width, width)
-            for old, new in zip(cache_layers(self.cache), cache_layers(cache)):
-                if isinstance(old, ReservedLayer):  # one copy, into the buffer the next passes append to
-                    old.append_rows(new.keys, new.values, s)
-                else:
-                    old.keys, old.values = (torch.cat([_right_pad(a, s), _right_pad(b, s)]) for a, b in
-                                            ((old.keys, new.keys), (old.values, new.values)))
+            for old, new in zip(cache_layers(self.cache), cache_layers(cache)):  # ReservedLayers, as every cache here
+                old.append_rows(new.keys, new.values, s)  # one copy, into the buffer the next passes append to
             self.starts += list(pads)
             self.ends += [width] * len(pads)
         self._sync_rows()
@@ -370,7 +366,7 @@ class Verifier:
         self.ends = [self.ends[i] for i in keep]
         s = self.width
         layers = cache_layers(self.cache)
-        if keep == sorted(keep) and all(isinstance(layer, ReservedLayer) for layer in layers):
+        if keep == sorted(keep):
             # rows leaving: the rows after the first gap move down in place (no new buffers)
             first = next(i for i, r in enumerate(keep + [-1]) if r != i)
             tail = torch.tensor(keep[first:], dtype=torch.long).to(self.device, non_blocking=True)
@@ -527,10 +523,3 @@ class Verifier:
             return None
         hs = out.hidden_states
         return torch.stack([hs[i] for i in self.feature_layers], dim=2)
-
-
-def _right_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t [B, H, S, D]`` padded with zeros to ``width`` columns (masked holes)."""
-    if t.shape[2] >= width:
-        return t
-    return torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], width - t.shape[2], t.shape[3])], dim=2)
