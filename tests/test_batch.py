@@ -218,6 +218,15 @@ def test_batch_cost_shrinks_trees_as_the_batch_grows():
         pld.set_cost(base if want else BatchCost(base, 64))
         tokens, _ = pld.propose_host(2, max_depth=8)
         assert (len(tokens) > 1) == want, (acc, len(tokens))
+    # a row drafting alone pays for every row padded to its tree: 1 + 4 x (1.1 - 1) at 4 rows of one node each
+    assert BatchCost(base, 4, alone=True)(1) == 1.0
+    assert BatchCost(base, 4, alone=True)(4) == pytest.approx(1 + 4 * (base(16) / base(4) - 1))
+    pld._stats = {2: (90, 10)}
+    sizes = {}
+    for alone in (False, True):
+        pld.set_cost(BatchCost(base, 4, alone=alone))
+        sizes[alone] = len(pld.propose_host(2, max_depth=8)[0])
+    assert sizes[False] > sizes[True], sizes
 
 
 def test_sync_points_per_step_of_a_batch_of_four_stay_bounded(llama):
@@ -462,3 +471,100 @@ def test_the_batch_policy_is_kept_with_the_drafter(small_vocab_model):
     assert Engine(model, PromptLookupDrafter()).policy is not drafter.batch_policy(SpecPolicy)
     generate(model, drafter, [[1, 2, 3, 1, 2], [4, 5, 6]], max_new_tokens=6)
     assert drafter.batch_policy(SpecPolicy).state()  # the batch of 2 measured its plain steps
+
+
+class ContextRecorder(Drafter):
+    """Records what the engine hands it (tokens and layer-1 features) and, at every proposal, how
+    much of the context it has seen; proposes a one-node chain of a token no model picks."""
+
+    feature_layers = (1,)
+
+    def spawn(self):
+        return ContextRecorder()
+
+    def begin(self, prompt_ids, features=None):
+        self.tokens, self.features, self.updates, self.seen_at_propose = list(prompt_ids.tolist()), [features[:, 0]], 0, []
+
+    def update(self, tokens, features=None):
+        self.tokens += tokens.tolist()
+        self.features.append(features[:, 0])
+        self.updates += 1
+
+    def propose(self, root, *, tree=None, max_depth=8, generator=None):
+        self.seen_at_propose.append(len(self.tokens))
+        return host_draft((root, 0), (-1, 0))
+
+
+class Script:
+    """A batch policy that decodes plainly for ``plain`` steps, then has every row draft."""
+
+    def __init__(self, plain: int):
+        self.plain, self.steps = plain, 0
+
+    def plan(self, rows: int) -> int:
+        self.steps += 1
+        return 0 if self.steps <= self.plain else -1
+
+    def record(self, *args) -> None:
+        pass
+
+
+def test_plain_steps_hand_their_context_to_the_drafter_at_once_before_it_drafts(llama):
+    """Rows that decode plainly hold what they commit and give it to their drafter in one update
+    (every ``HOLD_STEPS`` steps, and before the row drafts): the drafter then has the whole
+    committed context, tokens and features exactly as a forward pass over it gives them."""
+    ps, n = prompts((5, 12)), 50
+    plain = Engine.HOLD_STEPS + 8
+    engine = Engine(Verifier(llama), ContextRecorder(), max_rows=2, policy=Script(plain))
+    for p in ps:
+        engine.add(p, SamplingParams(max_new_tokens=n))
+    rows = list(engine.rows) + list(engine.pending)
+    got = {0: [], 1: []}
+    while engine.busy:
+        for chunk in engine.step():
+            got[chunk.index] += chunk.token_ids
+    for p, row in zip(ps, rows):
+        d = row.drafter
+        assert got[row.index] == hf_greedy(llama, p, n)
+        assert d.updates == 2 + len(d.seen_at_propose)  # one at HOLD_STEPS plain steps, one before the first draft, one per draft
+        committed = p.numel() + plain  # prompt + one root per plain step, when the row first drafts
+        assert d.seen_at_propose[0] == committed
+        assert d.tokens[: committed] == p.tolist() + got[row.index][:plain]
+        with torch.no_grad():
+            ref = llama(torch.tensor(d.tokens)[None], output_hidden_states=True).hidden_states[1][0]
+        torch.testing.assert_close(torch.cat(d.features), ref, atol=1e-4, rtol=1e-4)
+
+
+class CostRecorder(ContextRecorder):
+    """Records the cost curve it proposes under."""
+
+    def __init__(self):
+        self.cost = VerifyCost((1, 4, 16, 64), (1.0, 1.1, 1.6, 4.0))
+
+    def spawn(self):
+        new = CostRecorder()
+        new.cost = self.cost
+        return new
+
+    def propose(self, root, *, tree=None, max_depth=8, generator=None):
+        self.costs = getattr(self, "costs", []) + [self.cost]
+        return super().propose(root, tree=tree, max_depth=max_depth, generator=generator)
+
+
+class OneRow(Script):
+    def plan(self, rows: int) -> int:
+        return 1  # infer.core.cost.ONE: one row drafts, in turn
+
+
+def test_a_row_probing_alone_sizes_its_tree_for_the_rows_padded_to_it(llama):
+    engine = Engine(Verifier(llama), CostRecorder(), max_rows=4, policy=OneRow(0))
+    for p in prompts():
+        engine.add(p, SamplingParams(max_new_tokens=6))
+    engine.step()  # the four join
+    rows = list(engine.rows)
+    engine.step()
+    probing = [r for r in rows if getattr(r.drafter, "costs", None)]
+    assert len(probing) == 1
+    cost = probing[0].drafter.costs[0]
+    assert isinstance(cost, BatchCost) and cost.alone and cost.rows == 4
+    assert all(isinstance(r.drafter.cost, BatchCost) and not r.drafter.cost.alone for r in rows)  # given back after

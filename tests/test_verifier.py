@@ -43,6 +43,21 @@ def test_tree_logits_equal_sequential_logits(tiny_model, case):
             torch.testing.assert_close(out.features[i, f], ref.hidden_states[layer][0, -1], atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_features_are_the_selected_hidden_states(tiny_model):
+    """Rows of unlike lengths prefilled in one left-padded pass get, at every prompt position, the
+    hidden states HF returns for that prompt alone (transformers may keep only the selected layers)."""
+    layers = (0, 1, -1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (7, 3, 11)]
+    outs = Verifier(tiny_model, feature_layers=layers).add_rows(prompts)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = tiny_model(prompt[None], output_hidden_states=True)
+        assert out.features.shape == (prompt.numel(), len(layers), tiny_model.config.hidden_size)
+        for f, layer in enumerate(layers):
+            torch.testing.assert_close(out.features[:, f], ref.hidden_states[layer][0], atol=1e-4, rtol=1e-4)
+
+
 def test_cache_after_many_steps_equals_plain_forward(tiny_model):
     prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(3))
     ref = hf_greedy(tiny_model, prompt, 48)

@@ -153,15 +153,20 @@ class BatchCost:
     grows (where ``base`` turns from memory-bound to compute-bound, a node costs nearly a whole
     row), and where no draft can pay, drafters size their trees to the root alone: speculation
     steps back under load. ``seconds_per_token`` is a row's share of a plain batched step, what a
-    drafter's own time is weighed against."""
+    drafter's own time is weighed against.
 
-    def __init__(self, base, rows: int):
+    ``alone``: the row drafts alone (the others decode plainly, their trees padded to its own):
+    the whole of the pass's growth is its cost, ``1 + rows * (base(rows * n) / base(rows) - 1)``
+    times its share of a plain step, so a lone draft at a large batch is sized small or not at all."""
+
+    def __init__(self, base, rows: int, *, alone: bool = False):
         if rows < 1:
             raise ValueError(f"a batch has at least one row, not {rows}")
-        self.base, self.rows = base, rows
+        self.base, self.rows, self.alone = base, rows, alone
 
     def __call__(self, n: int) -> float:
-        return float(self.base(self.rows * max(n, 1))) / float(self.base(self.rows))
+        grown = float(self.base(self.rows * max(n, 1))) / float(self.base(self.rows))
+        return 1.0 + self.rows * (grown - 1.0) if self.alone else grown
 
     @property
     def seconds_per_token(self) -> float | None:

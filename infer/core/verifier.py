@@ -10,6 +10,7 @@ re-prefill). The cache is a :class:`ReservedCache`: a ``DynamicCache`` that appe
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -319,7 +320,7 @@ class Verifier:
             out = self.model(
                 input_ids=ids.to(self.device, non_blocking=True),
                 use_cache=True,
-                output_hidden_states=bool(self.feature_layers),
+                output_hidden_states=self._hidden_states_arg(),
                 logits_to_keep=1,
                 **kwargs,
                 **{self._cache_kw: cache},
@@ -426,7 +427,7 @@ class Verifier:
                     attention_mask=mask,
                     position_ids=positions,
                     use_cache=True,
-                    output_hidden_states=bool(self.feature_layers),
+                    output_hidden_states=self._hidden_states_arg(),
                     **{self._cache_kw: self.cache},
                 )
         finally:
@@ -517,9 +518,27 @@ class Verifier:
         """Drop whatever the cache holds beyond the longest row (an unaccepted tree)."""
         crop_cache(self.cache, self.width)
 
+    def _hidden_states_arg(self) -> bool | list[int]:
+        """``output_hidden_states`` for a pass: only the drafters' layers where transformers keeps
+        just the selected ones (5.25 and later: the others are freed layer by layer, as without
+        features; keeping all of them costs a long prefill about 5%), else all of them."""
+        if not self.feature_layers:
+            return False
+        return list(self.feature_layers) if _selects_hidden_states() else True
+
     def _features(self, out) -> torch.Tensor | None:
         """``[B, T, F, H]``: the requested layers' hidden states at every input position."""
         if not self.feature_layers:
             return None
         hs = out.hidden_states
         return torch.stack([hs[i] for i in self.feature_layers], dim=2)
+
+
+@functools.cache
+def _selects_hidden_states() -> bool:
+    """Whether this transformers takes ``output_hidden_states`` as the indices of the hidden states to keep."""
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
