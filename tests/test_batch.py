@@ -568,3 +568,26 @@ def test_a_row_probing_alone_sizes_its_tree_for_the_rows_padded_to_it(llama):
     cost = probing[0].drafter.costs[0]
     assert isinstance(cost, BatchCost) and cost.alone and cost.rows == 4
     assert all(isinstance(r.drafter.cost, BatchCost) and not r.drafter.cost.alone for r in rows)  # given back after
+
+
+@pytest.mark.parametrize("wait, gap, passes", [(4, 3, 1), (0, 3, 2), (4, 6, 2)])
+def test_queued_rows_wait_a_few_steps_for_a_row_about_to_end_and_join_in_one_pass(llama, wait, gap, passes):
+    """Two running rows end ``gap`` steps apart (their token limits), two more wait: within
+    ``join_wait`` steps of the second's end they join together, in one prefill pass; else the
+    first joins at once. Outputs are the same either way."""
+    ps = prompts((5, 9, 7, 4))
+    limits = (8, 8 + gap, 6, 6)
+    engine = Engine(Verifier(llama), None, max_rows=2, join_wait=wait)
+    prefills = []
+    add_rows = engine.verifier.add_rows
+    engine.verifier.add_rows = lambda rows: prefills.append(len(rows)) or add_rows(rows)
+    index = {engine.add(p, SamplingParams(max_new_tokens=n)): i for i, (p, n) in enumerate(zip(ps[:2], limits))}
+    got = {}
+    while engine.busy:
+        for chunk in engine.step():
+            got.setdefault(index[chunk.index], []).extend(chunk.token_ids)
+            if chunk.stats.finish_reason and len(index) < 4:  # a client whose request ended sends the next
+                i = len(index)
+                index[engine.add(ps[i], SamplingParams(max_new_tokens=limits[i]))] = i
+    assert [got[i] for i in range(4)] == [hf_greedy(llama, p, n) for p, n in zip(ps, limits)]
+    assert prefills[0] == 2 and len(prefills) - 1 == passes, prefills

@@ -342,6 +342,11 @@ class Engine:
         policy: whether a batched step drafts at all (default: the drafter's
             :meth:`~infer.core.drafter.Drafter.batch_policy`, which measures it and is kept with
             the drafter from one batch to the next).
+        join_wait: steps that queued generations may wait, with a row free, for a running row
+            that reaches its token limit within them, so that they join in one prefill pass (a
+            pass streams all the weights whatever its rows, so two prompts cost far less than two
+            passes of one). Rows that started together then end together again after a draft put
+            one of them ahead, as TGI's ``max_waiting_tokens`` batches prefills; 0: join at the next step.
     """
 
     #: what a prefill pass costs beyond its padded token slots, in token slots: joining prompts of
@@ -353,9 +358,13 @@ class Engine:
     HOLD_STEPS = 32
 
     def __init__(self, verifier, drafter: Drafter | None = None, *, tree: TreeSpec | None = None, max_rows: int = 64,
-                 spawn: bool = True, policy: SpecPolicy | None = None):
+                 spawn: bool = True, policy: SpecPolicy | None = None, join_wait: int = 4):
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise UserError(f"max_batch must be a positive integer, not {max_rows!r}")
+        if not isinstance(join_wait, int) or isinstance(join_wait, bool) or join_wait < 0:
+            raise UserError(f"join_wait must be a non-negative integer, not {join_wait!r}")
+        self.join_wait = join_wait
+        self._waited = 0  # steps the queued generations have waited for a row about to end
         self.drafter = drafter or NoDrafter()
         self.verifier = verifier if isinstance(verifier, Verifier) else Verifier(verifier)
         self.verifier.feature_layers = tuple(self.drafter.feature_layers)
@@ -427,15 +436,24 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[Chunk]:
-        """One pass: the queued generations join (when there is room, and not twice in a row
-        while rows are running), else every running row takes one speculative step."""
+        """One pass: the queued generations join (when there is room, not twice in a row while
+        rows are running, and not while a running row ends within the steps left of
+        ``join_wait``), else every running row takes one speculative step."""
         self._leave([r for r in self.rows if r.cancelled])
         room = self.max_rows - len(self.rows)
-        if self.pending and room > 0 and not (self._admitted_last and self.rows):
-            self._admitted_last = True
+        if self.pending and room > 0 and not (self._admitted_last and self.rows) and not self._ends_soon():
+            self._admitted_last, self._waited = True, 0
             return self._admit(self.pending[:room])
         self._admitted_last = False
+        if self.pending and room > 0:
+            self._waited += 1
         return self._decode() if self.rows else []
+
+    def _ends_soon(self) -> bool:
+        """Whether a running row reaches its token limit within the steps this join may still
+        wait (``join_wait`` in all): the rows that take its place then join in the same prefill pass."""
+        left = self.join_wait - self._waited
+        return left > 0 and any(r.stopper.max_new - len(r.stopper.tokens) <= left for r in self.rows)
 
     def _admit(self, rows: list[_Row]) -> list[Chunk]:
         """Prefill ``rows`` (in passes of like prompt lengths), append them to the batch; their first tokens."""
