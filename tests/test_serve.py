@@ -283,6 +283,8 @@ def test_serve_refuses_bad_flags_before_loading(capsys):
     assert code == 2 and "--max-seqs must be a positive integer" in err and "Traceback" not in err
     code, out, err = run_cli(["serve", "--verifier", "tiny-random:llama", "--port", "70000"], capsys)
     assert code == 2 and "--port" in err
+    code, out, err = run_cli(["serve", "--verifier", "tiny-random:llama", "--join-wait", "-1"], capsys)
+    assert code == 2 and "--join-wait must be a non-negative integer" in err and "Traceback" not in err
 
 
 def test_the_load_generator_measures_a_local_server_and_refuses_others(server):

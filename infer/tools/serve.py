@@ -44,8 +44,11 @@ class Limits:
     max_body_bytes: int = 1 << 20
     timeout_s: float = 300.0  # per request, from arrival to its last token
     shutdown_timeout_s: float = 30.0
+    join_wait: int = 4  # steps queued requests may wait for a row about to end, to join in one prefill pass
 
     def __post_init__(self) -> None:
+        if not isinstance(self.join_wait, int) or isinstance(self.join_wait, bool) or self.join_wait < 0:
+            raise UserError(f"--join-wait must be a non-negative integer, not {self.join_wait!r}")
         flags = {"max_rows": "--max-seqs", "max_queue": "--max-queue", "max_tokens": "--max-tokens",
                  "max_body_bytes": "--max-body-bytes", "max_prompt_tokens": "--max-prompt-tokens"}
         for name, flag in flags.items():
@@ -377,7 +380,7 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
     from ..core.verifier import Verifier, context_length
 
     verifier = Verifier(model, linear=linear)
-    engine = Engine(verifier, drafter, tree=tree, max_rows=limits.max_rows, spawn=True)
+    engine = Engine(verifier, drafter, tree=tree, max_rows=limits.max_rows, spawn=True, join_wait=limits.join_wait)
     metrics = Metrics()
     eos = eos_ids(model, tokenizer)
     loop_ = EngineLoop(engine, eos, tokenizer, limits, metrics)
@@ -677,6 +680,9 @@ def add_parser(sub, add_common, add_placement) -> None:
     s.add_argument("--max-tokens", type=int, default=1024, help="most completion tokens one request may ask for")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take (408 beyond)")
+    s.add_argument("--join-wait", type=int, default=4,
+                   help="steps queued requests may wait, with a sequence free, for a running one that reaches its token "
+                        "limit within them, so that they are prefilled in one pass (0: join at the next step)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds for running requests to finish before they are cancelled")
 
@@ -693,7 +699,7 @@ def cmd_serve(args, load, drafter_for, tree_for) -> int:
         raise UserError(f"--port must be in 1..65535, not {args.port}")
     limits = Limits(max_rows=args.max_seqs, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout,
-                    shutdown_timeout_s=args.shutdown_timeout)
+                    shutdown_timeout_s=args.shutdown_timeout, join_wait=args.join_wait)
     _check_port_free(args.host, args.port)
     tree = tree_for(args)
     lv = load(args, "serve needs a tokenizer (random shapes without one cannot take text)")
