@@ -505,6 +505,9 @@ class Script:
         self.steps += 1
         return 0 if self.steps <= self.plain else -1
 
+    def quiet_steps(self, rows: int) -> int:
+        return 0  # every row joins warm
+
     def record(self, *args) -> None:
         pass
 
@@ -580,7 +583,7 @@ def test_queued_rows_wait_a_few_steps_for_a_row_about_to_end_and_join_in_one_pas
     engine = Engine(Verifier(llama), None, max_rows=2, join_wait=wait)
     prefills = []
     add_rows = engine.verifier.add_rows
-    engine.verifier.add_rows = lambda rows: prefills.append(len(rows)) or add_rows(rows)
+    engine.verifier.add_rows = lambda rows, **kw: prefills.append(len(rows)) or add_rows(rows, **kw)
     index = {engine.add(p, SamplingParams(max_new_tokens=n)): i for i, (p, n) in enumerate(zip(ps[:2], limits))}
     got = {}
     while engine.busy:
@@ -591,3 +594,79 @@ def test_queued_rows_wait_a_few_steps_for_a_row_about_to_end_and_join_in_one_pas
                 index[engine.add(ps[i], SamplingParams(max_new_tokens=limits[i]))] = i
     assert [got[i] for i in range(4)] == [hf_greedy(llama, p, n) for p, n in zip(ps, limits)]
     assert prefills[0] == 2 and len(prefills) - 1 == passes, prefills
+
+
+class QuietFor(Script):
+    """A batch policy that has one row (``plan`` 1) or every row (-1) draft at every step but says
+    ``quiet`` steps of 2+ rows are plain."""
+
+    def __init__(self, quiet: int, plan: int = 1):
+        super().__init__(0)
+        self.quiet, self.every = quiet, plan
+
+    def plan(self, rows: int) -> int:
+        return self.every if rows > 1 else -1  # infer.core.cost.ONE / ALL
+
+    def quiet_steps(self, rows: int) -> int:
+        return self.quiet if rows > 1 else 0
+
+
+@pytest.mark.parametrize("limit, cold, plan", [(6, True, 1), (12, False, 1), (6, True, -1)])
+def test_rows_that_end_before_the_batch_would_let_them_draft_join_cold(llama, limit, cold, plan):
+    """Rows that join a batch whose policy keeps the next ``quiet`` steps plain, and end within
+    them, are prefilled without the drafter's features and never draft: probes go to the warm row
+    already running. Rows that outlive the quiet steps join warm and take their turns. Outputs are
+    HF's either way, and a cold row stays plain when every row is to draft."""
+    ps = prompts((9, 5, 7))
+    limits = (30, limit, limit)
+    engine = Engine(Verifier(llama), ContextRecorder(), max_rows=3, policy=QuietFor(10, plan))
+    passes = []
+    add_rows = engine.verifier.add_rows
+    engine.verifier.add_rows = lambda rows, **kw: passes.append((len(rows), kw["features"])) or add_rows(rows, **kw)
+    got = {}
+    first = engine.add(ps[0], SamplingParams(max_new_tokens=limits[0]))
+    for _ in range(3):  # the first row runs alone (warm), then the others join
+        for chunk in engine.step():
+            got.setdefault(chunk.index, []).extend(chunk.token_ids)
+    index = {first: 0} | {engine.add(p, SamplingParams(max_new_tokens=n)): i for i, (p, n) in enumerate(zip(ps[1:], limits[1:]), 1)}
+    joined = list(engine.pending)
+    while engine.busy:
+        for chunk in engine.step():
+            got.setdefault(chunk.index, []).extend(chunk.token_ids)
+    assert [got[k] for k in sorted(index, key=index.get)] == [hf_greedy(llama, p, n) for p, n in zip(ps, limits)]
+    assert passes[0] == (1, True) and all(f == (not cold) for _, f in passes[1:]), passes
+    assert all(r.warm == (not cold) for r in joined)
+    for r in joined:
+        assert hasattr(r.drafter, "seen_at_propose") == (not cold)  # a cold row's drafter is never begun
+        assert not cold or not hasattr(r.drafter, "tokens")
+    if not cold:
+        assert all(r.drafter.seen_at_propose for r in joined)  # the probes took every warm row in turn
+
+
+def test_quiet_steps_are_the_plain_steps_before_the_next_probe():
+    """``SpecPolicy.quiet_steps`` tells exactly how many coming steps :meth:`plan` makes plain:
+    after a smaller batch found that one row's draft does not pay, after its own probes lost, and
+    0 where a draft pays or a row is alone."""
+    from infer.core.cost import ALL, ONE, PLAIN, SpecPolicy
+
+    def plans_until_probe(policy, rows):
+        out = []
+        while not out or out[-1] != ONE:
+            out.append(policy.plan(rows))
+            drafted = 1 if out[-1] == ONE else 0
+            policy.record(rows, drafted, rows + drafted, 0.05 * rows + 0.1 * drafted)  # a draft never pays
+        return out
+
+    policy = SpecPolicy(first_pause=4, max_pause=64)
+    for rows in (4, 16, 4, 16, 4, 16, 16):
+        quiet = policy.quiet_steps(rows)
+        plans = plans_until_probe(policy, rows)
+        assert plans == [PLAIN] * quiet + [ONE], (rows, quiet, plans)
+    assert policy.quiet_steps(16) >= 16  # after losing probes the pause has grown
+    assert policy.quiet_steps(1) == 0 and policy.plan(1) == ALL
+    pays = SpecPolicy()
+    for _ in range(20):
+        plan = pays.plan(4)
+        drafted = {ALL: 4, ONE: 1}.get(plan, 0)
+        pays.record(4, drafted, 4 + 3 * drafted, 0.2 + 0.001 * drafted)  # each draft adds 3 tokens almost free
+    assert pays.quiet_steps(4) == 0 and pays.plan(4) == ALL

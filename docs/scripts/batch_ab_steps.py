@@ -28,6 +28,9 @@ class NeverDraft:
     def plan(self, rows: int) -> int:
         return 0  # infer.core.cost.PLAIN
 
+    def quiet_steps(self, rows: int) -> int:
+        return 0  # rows still join warm (with the drafter's features): what its bookkeeping costs is measured
+
     def record(self, *args) -> None:
         pass
 

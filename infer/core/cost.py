@@ -351,6 +351,18 @@ class SpecPolicy:
         k.pause = min(2 * k.pause, self.max_pause) if not one_pays else self.first_pause
         return ONE
 
+    def quiet_steps(self, rows: int) -> int:
+        """How many of the coming steps of ``rows`` rows :meth:`plan` makes plain whatever is
+        recorded meanwhile: where one row's draft has not paid at this size (measured here, or
+        not yet here but at a smaller size), the steps before the next probe; else 0. Rows that
+        end within them never draft (the engine prefills them without the drafter's features)."""
+        if rows < 2:
+            return 0
+        k = self._bucket(rows)
+        if self._measured(k) and self._one_pays(k):
+            return 0
+        return k.skip + max(self.warmup - k.plain_steps, 0)
+
     def record(self, rows: int, drafted: int, tokens: int, seconds: float) -> None:
         """A step of ``rows`` rows, ``drafted`` of which drafted, emitted ``tokens`` in ``seconds``.
 

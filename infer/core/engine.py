@@ -302,6 +302,7 @@ class _Row:
     cancelled: bool = False
     held_tokens: list[int] = field(default_factory=list)  # committed in plain steps, not yet given to the drafter
     held_features: list = field(default_factory=list)  # their verifier features, ``[F, H]`` each (or None)
+    warm: bool = True  # prefilled with the drafter's features; a cold row never drafts
 
     def hand_over(self) -> None:
         """Give the drafter what plain steps committed since it last saw the context (one
@@ -331,7 +332,10 @@ class Engine:
     Rows size their trees by the verify-cost curve as a batch of the current size sees it
     (:class:`~infer.core.cost.BatchCost`): trees shrink as the batch grows, and drafting stops
     where it cannot pay; and a batch drafts only while drafting has measured faster than plain
-    decoding at its size (:class:`~infer.core.cost.SpecPolicy`, dynamic speculation).
+    decoding at its size (:class:`~infer.core.cost.SpecPolicy`, dynamic speculation). Rows that
+    join where the policy keeps more coming steps plain than they can live
+    (:meth:`~infer.core.cost.SpecPolicy.quiet_steps`) are *cold*: prefilled without the drafter's
+    features, their drafter never begun, they decode plainly to their end (probes take warm rows).
 
     Args:
         verifier: a :class:`~infer.core.verifier.Verifier` or an HF causal LM.
@@ -341,7 +345,8 @@ class Engine:
         spawn: give every row a drafter of its own (``drafter.spawn()``).
         policy: whether a batched step drafts at all (default: the drafter's
             :meth:`~infer.core.drafter.Drafter.batch_policy`, which measures it and is kept with
-            the drafter from one batch to the next).
+            the drafter from one batch to the next); any object with its ``plan``, ``record``
+            and ``quiet_steps`` methods.
         join_wait: steps that queued generations may wait, with a row free, for a running row
             that reaches its token limit within them, so that they join in one prefill pass (a
             pass streams all the weights whatever its rows, so two prompts cost far less than two
@@ -465,11 +470,18 @@ class Engine:
         # prompts of unlike lengths in passes of their own (less padding); the batch's rows in pass order
         groups = [[rows[i] for i in g] for g in prefill_groups([int(r.ids.numel()) for r in rows], self.PREFILL_PASS_TOKENS)]
         rows = [r for group in groups for r in group]
-        outs = [out for group in groups for out in self.verifier.add_rows([r.ids for r in group])]
+        quiet = self.policy.quiet_steps(len(self.rows) + len(rows))
+        outs = []
+        for group in groups:  # a pass whose rows all end before the batch would let them draft: cold
+            warm = any(r.stopper.max_new - 1 > quiet for r in group)
+            for r in group:
+                r.warm = warm
+            outs += self.verifier.add_rows([r.ids for r in group], features=warm)
         firsts = []
         for row, out in zip(rows, outs):
-            row.drafter.set_params(row.params)
-            row.drafter.begin(row.ids, out.features)
+            if row.warm:
+                row.drafter.set_params(row.params)
+                row.drafter.begin(row.ids, out.features)
             if row.greedy:
                 firsts.append(out.logits[-1].argmax().view(1))
             else:
@@ -526,9 +538,11 @@ class Engine:
         self._set_costs()
         t0 = time.perf_counter()
         plan = self.policy.plan(len(rows))
-        if plan == ONE:  # one row drafts (the policy measures what one row's draft adds), in turn
-            self._probe = (self._probe + 1) % len(rows)
-        drafting = [plan == ALL or (plan == ONE and i == self._probe) for i in range(len(rows))]
+        warm = [r.warm for r in rows]
+        if plan == ONE:  # one row drafts (the policy measures what one row's draft adds), the warm rows in turn
+            turn = [(self._probe + 1 + j) % len(rows) for j in range(len(rows))]
+            self._probe = next((i for i in turn if warm[i]), self._probe)
+        drafting = [warm[i] and (plan == ALL or (plan == ONE and i == self._probe)) for i in range(len(rows))]
         self.last_drafted = any(drafting)
         drafts: list[Draft] = []
         for row, draft_row in zip(rows, drafting):
@@ -549,7 +563,7 @@ class Engine:
         t2 = time.perf_counter()
         trees = stack_drafts(drafts, self.verifier.device)
         self.last_sizes = trees.sizes
-        out = self.verifier.verify_rows(trees)
+        out = self.verifier.verify_rows(trees, features=any(warm))
         acc = self._accept(rows, trees, out.logits, drafts)
         t3 = time.perf_counter()  # the acceptance's one read back waited for the verify pass
         self.drafter.observe_verify(len(rows) * trees.num_nodes, t3 - t2)
@@ -560,7 +574,7 @@ class Engine:
             if drafting[b]:  # its drafter learns what of its draft was accepted now
                 feats = out.features[b].index_select(0, a.nodes) if out.features is not None else None
                 row.drafter.update(torch.tensor((row.root,) + a.tokens[:-1], dtype=torch.long), feats)
-            else:  # a plain step commits the root alone, at the tree's first node: held for the drafter
+            elif row.warm:  # a plain step commits the root alone, at the tree's first node: held for the drafter
                 row.held_tokens.append(row.root)
                 row.held_features.append(firsts[b])
                 if len(row.held_tokens) >= self.HOLD_STEPS:

@@ -299,10 +299,11 @@ class Verifier:
         return self.add_rows([input_ids])[0]
 
     @torch.inference_mode()
-    def add_rows(self, prompts: Sequence[torch.Tensor]) -> list[VerifierOutput]:
+    def add_rows(self, prompts: Sequence[torch.Tensor], *, features: bool = True) -> list[VerifierOutput]:
         """Prefill new rows, one per prompt ``[L_r]``, in one left-padded pass, and append them to
         the batch (after the rows already there). Returns per new row its last position's logits
-        ``[1, V]`` and its features ``[L_r, F, H]`` (or None)."""
+        ``[1, V]`` and its features ``[L_r, F, H]`` (None without ``features``, or without
+        ``feature_layers``)."""
         lengths = [int(p.numel()) for p in prompts]
         width = max(lengths)
         pads = [width - n for n in lengths]
@@ -320,7 +321,7 @@ class Verifier:
             out = self.model(
                 input_ids=ids.to(self.device, non_blocking=True),
                 use_cache=True,
-                output_hidden_states=self._hidden_states_arg(),
+                output_hidden_states=self._hidden_states_arg(features),
                 logits_to_keep=1,
                 **kwargs,
                 **{self._cache_kw: cache},
@@ -332,7 +333,7 @@ class Verifier:
                         layer.keys[r, :, :pad] = 0.0
                         layer.values[r, :, :pad] = 0.0
         self._merge(cache, pads, width)
-        feats = self._features(out)
+        feats = self._features(out, features)
         return [VerifierOutput(out.logits[r], feats[r, pads[r]:] if feats is not None else None) for r in range(len(prompts))]
 
     def _merge(self, cache: DynamicCache, pads: list[int], width: int) -> None:
@@ -399,15 +400,16 @@ class Verifier:
         return VerifierOutput(out.logits[0], out.features[0] if out.features is not None else None)
 
     @torch.inference_mode()
-    def verify_rows(self, trees: TreeBatch) -> RowsOutput:
+    def verify_rows(self, trees: TreeBatch, *, features: bool = True) -> RowsOutput:
         """Score every node of every row's tree (``trees``: one per row, in row order) in one
-        forward pass. Returns logits ``[B, N, V]`` and features ``[B, N, F, H]``; the trees' keys
-        and values are appended to the cache until :meth:`commit_rows`."""
+        forward pass. Returns logits ``[B, N, V]`` and features ``[B, N, F, H]`` (None without
+        ``features``); the trees' keys and values are appended to the cache until :meth:`commit_rows`."""
         if trees.rows != self.rows:
             raise ValueError(f"{trees.rows} trees for {self.rows} rows")
-        return self._forward(trees.tokens, trees.ancestor_mask, trees.depths, trees.num_nodes)
+        return self._forward(trees.tokens, trees.ancestor_mask, trees.depths, trees.num_nodes, features)
 
-    def _forward(self, tokens: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor, n: int) -> RowsOutput:
+    def _forward(self, tokens: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor, n: int,
+                 features: bool = True) -> RowsOutput:
         """The pass over ``tokens [B, N]`` with tree ``ancestors [B, N, N]`` and ``depths [B, N]``."""
         b, s = self.rows, self.width
         if self._compact():
@@ -427,12 +429,12 @@ class Verifier:
                     attention_mask=mask,
                     position_ids=positions,
                     use_cache=True,
-                    output_hidden_states=self._hidden_states_arg(),
+                    output_hidden_states=self._hidden_states_arg(features),
                     **{self._cache_kw: self.cache},
                 )
         finally:
             self.cache.set_write_at(None)
-        return RowsOutput(out.logits, self._features(out))
+        return RowsOutput(out.logits, self._features(out, features))
 
     def _rows_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """Additive mask ``[B, 1, N, S + N]``: row ``b``'s nodes see its committed columns
@@ -518,17 +520,17 @@ class Verifier:
         """Drop whatever the cache holds beyond the longest row (an unaccepted tree)."""
         crop_cache(self.cache, self.width)
 
-    def _hidden_states_arg(self) -> bool | list[int]:
+    def _hidden_states_arg(self, features: bool = True) -> bool | list[int]:
         """``output_hidden_states`` for a pass: only the drafters' layers where transformers keeps
         just the selected ones (5.25 and later: the others are freed layer by layer, as without
         features; keeping all of them costs a long prefill about 5%), else all of them."""
-        if not self.feature_layers:
+        if not (features and self.feature_layers):
             return False
         return list(self.feature_layers) if _selects_hidden_states() else True
 
-    def _features(self, out) -> torch.Tensor | None:
+    def _features(self, out, features: bool = True) -> torch.Tensor | None:
         """``[B, T, F, H]``: the requested layers' hidden states at every input position."""
-        if not self.feature_layers:
+        if not (features and self.feature_layers):
             return None
         hs = out.hidden_states
         return torch.stack([hs[i] for i in self.feature_layers], dim=2)
