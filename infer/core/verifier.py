@@ -333,7 +333,7 @@ class Verifier:
                         layer.keys[r, :, :pad] = 0.0
                         layer.values[r, :, :pad] = 0.0
         self._merge(cache, pads, width)
-        feats = self._features(out, features)
+        feats = self._features(out)
         return [VerifierOutput(out.logits[r], feats[r, pads[r]:] if feats is not None else None) for r in range(len(prompts))]
 
     def _merge(self, cache: DynamicCache, pads: list[int], width: int) -> None:
@@ -434,7 +434,7 @@ class Verifier:
                 )
         finally:
             self.cache.set_write_at(None)
-        return RowsOutput(out.logits, self._features(out, features))
+        return RowsOutput(out.logits, self._features(out))
 
     def _rows_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """Additive mask ``[B, 1, N, S + N]``: row ``b``'s nodes see its committed columns
@@ -528,11 +528,12 @@ class Verifier:
             return False
         return list(self.feature_layers) if _selects_hidden_states() else True
 
-    def _features(self, out, features: bool = True) -> torch.Tensor | None:
-        """``[B, T, F, H]``: the requested layers' hidden states at every input position."""
-        if not (features and self.feature_layers):
-            return None
+    def _features(self, out) -> torch.Tensor | None:
+        """``[B, T, F, H]``: the requested layers' hidden states at every input position (None
+        where the pass asked for none, :meth:`_hidden_states_arg`)."""
         hs = out.hidden_states
+        if hs is None:
+            return None
         return torch.stack([hs[i] for i in self.feature_layers], dim=2)
 
 
