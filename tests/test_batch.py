@@ -44,6 +44,11 @@ class PerPromptOracle(Drafter):
     def spawn(self):
         return copy.deepcopy(self)
 
+    def batch_policy(self, make):
+        """Every row drafts at every step (the measured default may keep a tiny model's batch plain,
+        and these drafts are what the tests check the batch verifies)."""
+        return Script(0)
+
     def begin(self, prompt_ids, features=None):
         key = tuple(prompt_ids.tolist())
         self.inner = OracleDrafter(self.refs[key], len(key), self.parents, p_right=self.p_right, seed=self.seed)
@@ -186,6 +191,24 @@ def test_a_cancelled_row_leaves_and_the_others_are_unchanged(llama):
     assert got[ids[0]] == refs[0] and got[ids[2]] == refs[2]
     assert got[ids[1]] == refs[1][: len(got[ids[1]])] and len(got[ids[1]]) < 16
     assert not engine.cancel(ids[1])
+
+
+def test_a_queued_generation_joins_at_the_step_after_a_full_batch_has_a_row_cancelled(llama):
+    """``joins_next`` counts a cancelled row's place as free (the step drops it first), and reading
+    it changes nothing (the queued generation's output is its greedy continuation)."""
+    ps = prompts((6, 9, 7))
+    engine = Engine(Verifier(llama), None, max_rows=2, join_wait=0)
+    ids = [engine.add(p, SamplingParams(max_new_tokens=12)) for p in ps]
+    kinds = []
+    got = {i: [] for i in ids}
+    while engine.busy:
+        if len(kinds) == 3:
+            assert engine.cancel(ids[0])
+        kinds.append(engine.joins_next and engine.joins_next)
+        for c in engine.step():
+            got[c.index].extend(c.token_ids)
+    assert kinds[:5] == [True, False, False, True, False]  # the third joins in the first step after the cancel
+    assert got[ids[2]] == hf_greedy(llama, ps[2], 12) and got[ids[1]] == hf_greedy(llama, ps[1], 12)
 
 
 def test_stream_of_a_batch_names_each_chunk_by_prompt(llama):
@@ -577,7 +600,7 @@ def test_a_row_probing_alone_sizes_its_tree_for_the_rows_padded_to_it(llama):
 def test_queued_rows_wait_a_few_steps_for_a_row_about_to_end_and_join_in_one_pass(llama, wait, gap, passes):
     """Two running rows end ``gap`` steps apart (their token limits), two more wait: within
     ``join_wait`` steps of the second's end they join together, in one prefill pass; else the
-    first joins at once. Outputs are the same either way."""
+    first joins at once. Outputs are the same either way, and ``joins_next`` tells each step's kind."""
     ps = prompts((5, 9, 7, 4))
     limits = (8, 8 + gap, 6, 6)
     engine = Engine(Verifier(llama), None, max_rows=2, join_wait=wait)
@@ -587,7 +610,10 @@ def test_queued_rows_wait_a_few_steps_for_a_row_about_to_end_and_join_in_one_pas
     index = {engine.add(p, SamplingParams(max_new_tokens=n)): i for i, (p, n) in enumerate(zip(ps[:2], limits))}
     got = {}
     while engine.busy:
-        for chunk in engine.step():
+        joins, passes_before = engine.joins_next, len(prefills)
+        chunks = engine.step()
+        assert joins == (len(prefills) > passes_before)  # joins_next said what kind of step came
+        for chunk in chunks:
             got.setdefault(index[chunk.index], []).extend(chunk.token_ids)
             if chunk.stats.finish_reason and len(index) < 4:  # a client whose request ended sends the next
                 i = len(index)

@@ -444,9 +444,10 @@ class Engine:
         """One pass: the queued generations join (when there is room, not twice in a row while
         rows are running, and not while a running row ends within the steps left of
         ``join_wait``), else every running row takes one speculative step."""
+        joins = self.joins_next
         self._leave([r for r in self.rows if r.cancelled])
         room = self.max_rows - len(self.rows)
-        if self.pending and room > 0 and not (self._admitted_last and self.rows) and not self._ends_soon():
+        if joins:
             self._admitted_last, self._waited = True, 0
             return self._admit(self.pending[:room])
         self._admitted_last = False
@@ -454,11 +455,19 @@ class Engine:
             self._waited += 1
         return self._decode() if self.rows else []
 
-    def _ends_soon(self) -> bool:
-        """Whether a running row reaches its token limit within the steps this join may still
+    @property
+    def joins_next(self) -> bool:
+        """Whether the next :meth:`step` admits queued generations (else it decodes the running
+        rows): a benchmark that steps two engines in turn uses it to take turns per kind of step."""
+        rows = [r for r in self.rows if not r.cancelled]
+        return (bool(self.pending) and len(rows) < self.max_rows and not (self._admitted_last and rows)
+                and not self._ends_soon(rows))
+
+    def _ends_soon(self, rows: list[_Row]) -> bool:
+        """Whether one of ``rows`` reaches its token limit within the steps this join may still
         wait (``join_wait`` in all): the rows that take its place then join in the same prefill pass."""
         left = self.join_wait - self._waited
-        return left > 0 and any(r.stopper.max_new - len(r.stopper.tokens) <= left for r in self.rows)
+        return left > 0 and any(r.stopper.max_new - len(r.stopper.tokens) <= left for r in rows)
 
     def _admit(self, rows: list[_Row]) -> list[Chunk]:
         """Prefill ``rows`` (in passes of like prompt lengths), append them to the batch; their first tokens."""
