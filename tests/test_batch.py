@@ -442,7 +442,7 @@ def test_a_larger_batch_waits_as_long_as_a_smaller_one_where_drafting_lost():
     taught = SpecPolicy(first_pause=4, max_pause=64)
     for _ in range(200):
         first_probe(taught, 4)  # the batch of 4 probes, loses, and waits longer each time
-    waited = taught._buckets[1].pause
+    waited = taught._buckets[2].pause
     assert waited == 64
     assert first_probe(taught, 16) == taught.warmup + waited
     assert first_probe(taught, 3) is not None  # the smaller batch still probes on its own schedule
@@ -466,14 +466,35 @@ def test_probes_cost_a_bounded_share_of_plain_decoding():
     assert extra_s / plain_s < 0.03, extra_s / plain_s
 
 
+def test_what_paid_at_2_rows_is_measured_again_at_4():
+    """Drafting that pays at 2 rows (one row's draft adds to 2 tokens a step) is not taken to pay at
+    4, where it must add to 4: a batch of 4 warms up plainly and probes before any step where every
+    row drafts, and where its probes lose, no such step comes."""
+    from infer.core.cost import ALL, ONE, PLAIN, SpecPolicy
+
+    policy = SpecPolicy()
+    for _ in range(50):  # 2 rows: a draft adds 2 tokens for 30% of a step
+        plan = policy.plan(2)
+        drafted = {ALL: 2, ONE: 1, PLAIN: 0}[plan]
+        policy.record(2, drafted, 2 + 2 * drafted, 0.1 * (1 + 0.3 * drafted))
+    assert plan == ALL
+    plans = []
+    for _ in range(50):  # 4 rows: a draft adds 1 token for 60% of a step (0.4x plain's rate)
+        plan = policy.plan(4)
+        plans.append(plan)
+        drafted = {ALL: 4, ONE: 1, PLAIN: 0}[plan]
+        policy.record(4, drafted, 4 + drafted, 0.1 * (1 + 0.6 * drafted))
+    assert plans[: policy.warmup] == [PLAIN] * policy.warmup and ONE in plans and ALL not in plans, plans
+
+
 def test_drafting_steps_are_compared_with_plain_steps_of_their_row_count():
     """A bucket holds several row counts: every row drafting at 4 rows must beat plain decoding at
-    4 rows, not the mean of plain steps at 2 and 4 rows (which emit half and all the tokens)."""
+    4 rows, not the mean of plain steps at 3 and 4 rows (which emit 3 and 4 tokens a step)."""
     from infer.core.cost import SpecPolicy
 
     policy = SpecPolicy()
-    for rows in (2, 4, 2, 4):
-        policy.record(rows, 0, rows, 0.1)  # plain: 20 and 40 tokens/s
+    for rows in (3, 4, 3, 4):
+        policy.record(rows, 0, rows, 0.1)  # plain: 30 and 40 tokens/s
     for _ in range(4):
         policy.record(4, 4, 4.2, 0.11)  # every row drafting at 4 rows: 38 tokens/s, 0.95x plain there
     gain = policy.state()["<= 4 rows"]["all_rows_gain"]

@@ -284,7 +284,7 @@ PLAIN, ONE, ALL = 0, 1, -1
 class SpecPolicy:
     """How many rows of a batched step draft (dynamic speculation): measured, not modelled.
 
-    Per batch-size bucket (2-4, 5-8, 9-16, 17-32, more rows) it measures plain steps (seconds, per
+    Per batch-size bucket (2, 3-4, 5-8, 9-16, 17-32, 33-64, more rows) it measures plain steps (seconds, per
     row count), steps where a single row drafts (the tokens and seconds that row's draft adds: its
     marginal rate), and steps where every row drafts (tokens/s over plain tokens/s at the same row
     count). A batch decodes plainly until a single row's draft has measured to add tokens faster
@@ -297,7 +297,9 @@ class SpecPolicy:
     that pause before its own first probe. A single row always drafts (its drafter's own gate
     decides)."""
 
-    BUCKETS = (1, 4, 8, 16, 32, 1 << 30)
+    #: a bucket's upper row counts: one row's draft that pays at 2 rows (it adds to 2 tokens a step)
+    #: says little about 4 (where it must beat 4), so no bucket spans a doubling
+    BUCKETS = (1, 2, 4, 8, 16, 32, 64, 1 << 30)
 
     def __init__(self, *, alpha: float = 0.25, warmup: int = 2, margin: float = 0.05, first_pause: int = 4,
                  max_pause: int = 256, probe_share: float = 0.005):
