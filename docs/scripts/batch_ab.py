@@ -9,12 +9,12 @@ size ``b`` each engine keeps ``b`` generations running (continuous batching: a f
 place is taken by the next request at the next step boundary, as in the server at ``b`` clients)
 until ``--requests`` requests are done, after a warm-up of ``b`` short requests. The two engines
 take steps in turn (their order alternating), each step timed alone, so that whatever slows the
-machine for a while slows both alike: on a noisy machine the ratio of tokens/s is then resolved
-to about a percent, where whole rounds taken in turns through a server differ by 10%. They take
-turns for each kind of step apart (admission, decode): of two prefill passes in a row the second
-runs a few percent faster (it reuses the memory the first freed), and rows that start together
-admit on steps of one parity, so alternating whole turns gave the first engine every first
-admission. ``--draft none`` is the control: two plain engines, whose ratio shows the resolution.
+machine for a while slows both alike (whole rounds taken in turns through a server differ by
+10%). They take turns going first for each kind of step apart (admission, decode): rows that start
+together admit on steps of one parity, so alternating whole turns put the first engine first at
+every admission, and in a control of two plain engines that engine's admission steps took
+0.7-5.8% longer (three runs, 16 rows, Spec-Bench prompts). ``--draft none`` runs that control: two
+plain engines (reported as ``auto`` and ``none``), whose spread is the resolution of a level.
 
 Greedy, chat-templated prompts; every request's tokens are compared between the engines (they
 must be identical). Writes ``--out`` (JSON) and prints a markdown table.
@@ -52,8 +52,8 @@ def run_level(engines: dict, prompts: list, b: int, requests: int, max_tokens: i
                 st["running"] += 1
         if not any(engines[label].busy for label in labels):
             break
-        # the engines take turns going first, for each kind of step apart: the second of two prefill
-        # passes in a row reuses the memory the first just freed, and runs a few percent faster
+        # the engines take turns going first, for each kind of step apart: of two plain engines, the
+        # one that went first at every admission took 0.7-5.8% longer there (see the docstring)
         kind = any(engines[label].joins_next for label in labels)
         order = labels if first[kind] == 0 else labels[::-1]
         first[kind] ^= 1
