@@ -204,7 +204,9 @@ def test_a_queued_generation_joins_at_the_step_after_a_full_batch_has_a_row_canc
     while engine.busy:
         if len(kinds) == 3:
             assert engine.cancel(ids[0])
-        kinds.append(engine.joins_next and engine.joins_next)
+        joins = engine.joins_next
+        assert engine.joins_next == joins  # reading it changes nothing
+        kinds.append(joins)
         for c in engine.step():
             got[c.index].extend(c.token_ids)
     assert kinds[:5] == [True, False, False, True, False]  # the third joins in the first step after the cancel
