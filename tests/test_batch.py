@@ -85,6 +85,46 @@ def test_batched_greedy_rows_equal_hf_greedy_and_single_rows(tiny_model, kind):
         assert all(r.stats.mean_accepted > 2.5 for r in out), [r.stats.mean_accepted for r in out]
 
 
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "half", "pld", "none"])
+def test_a_seeded_sample_is_the_same_text_with_any_drafter_alone_and_batched(llama, kind):
+    """A seed fixes the text: the sampled token at each position is a function of the seed, the
+    position and the verifier's distribution there, whatever drafted (or not), the tree, the batch
+    and the rows beside it (here a greedy row and rows of other seeds and settings)."""
+    ps = prompts((5, 30, 12, 9))
+    n_new = 24
+    params = [SamplingParams(max_new_tokens=n_new, temperature=1.0, seed=1234),
+              SamplingParams(max_new_tokens=n_new, temperature=0.7, top_p=0.9, seed=2**64 - 5),
+              SamplingParams(max_new_tokens=n_new, temperature=1.3, top_k=40, seed=7),
+              SamplingParams(max_new_tokens=n_new)]  # greedy, in the same batch
+    refs = [generate(llama, None, p, params=q).token_ids for p, q in zip(ps, params)]
+    assert refs[3] == hf_greedy(llama, ps[3], n_new)
+    assert generate(llama, None, ps[0], params=params[0]).token_ids == refs[0]
+    other_seed = generate(llama, None, ps[0], params=SamplingParams(max_new_tokens=n_new, temperature=1.0, seed=1235))
+    assert other_seed.token_ids != refs[0]  # the seed is what fixes the text, not the prompt alone
+    by_prompt = {tuple(p.tolist()): r for p, r in zip(ps, refs)}
+    make = {
+        "oracle": lambda: PerPromptOracle(by_prompt, TREE),
+        "wrong": lambda: PerPromptOracle(by_prompt, TREE, p_right=0.0),
+        "half": lambda: PerPromptOracle(by_prompt, [-1, 0, 1, 2, 3, 4], p_right=0.5, seed=3),
+        "pld": lambda: PromptLookupDrafter(max_ngram=2, adaptive=False),
+        "none": lambda: None,
+    }[kind]
+    alone = [generate(llama, make(), p, params=q) for p, q in zip(ps, params)]
+    assert [r.token_ids for r in alone] == refs
+    engine = Engine(llama, make(), max_rows=4)
+    for p, q in zip(ps, params):
+        engine.add(p, q)
+    got = [[] for _ in ps]
+    stats = [None] * len(ps)
+    for chunk in engine.run():
+        got[chunk.index].extend(chunk.token_ids)
+        stats[chunk.index] = chunk.stats
+    assert got == refs
+    if kind == "oracle":  # the sampled paths were drafted and accepted whole, alone and in the batch
+        assert all(r.stats.mean_accepted > 2.5 for r in alone), [r.stats.mean_accepted for r in alone]
+        assert all(s.mean_accepted > 2.5 for s in stats), [s.mean_accepted for s in stats]
+
+
 def test_rows_end_at_their_own_stop_conditions(llama):
     ps = prompts((5, 30, 12))
     refs = [hf_greedy(llama, p, 30) for p in ps]

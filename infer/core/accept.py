@@ -1,9 +1,16 @@
 """Acceptance rules: which root-to-node path of a verified tree to keep, and the bonus token.
 
-All functions are pure (the only state is an explicit ``torch.Generator``). They take the draft
-tree's tokens and topology and the verifier's outputs at every node, and return an
-:class:`Acceptance`: the accepted node indices (root first) and the verifier's own next token
-after the last accepted node.
+All functions are pure (the only state is an explicit ``torch.Generator``, where one is taken).
+They take the draft tree's tokens and topology and the verifier's outputs at every node, and
+return an :class:`Acceptance`: the accepted node indices (root first) and the verifier's own next
+token after the last accepted node.
+
+Exact sampling of a deterministic draft needs no rule of its own: the verifier's token after each
+node is drawn with counter-based noise (:func:`position_uniforms`, :func:`noise_sample`) and the
+greedy rule accepts a child when it equals its parent's token. A child is then accepted with
+probability ``p(child)``, as with sibling-by-sibling rejection, and the emitted text depends on
+the seed, the positions and the verifier alone. :func:`sample_accept` is the rule for drafts
+that carry their ``q``.
 
 Names follow the papers: ``p`` is the verifier's (target) distribution, ``q`` the draft's.
 """
@@ -68,6 +75,61 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: 
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return scores.softmax(-1)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)``: in 16-bit halves of ``c``, so no
+    intermediate leaves int64 (no overflow to rely on, on any backend)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32): a bijection of ``[0, 2**32)`` that mixes every bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seed_tensor(seeds: Sequence[int], device=None) -> torch.Tensor:
+    """Seeds ``0 .. 2**64 - 1`` as an int64 tensor ``[B]`` (two's complement above ``2**63 - 1``)."""
+    return torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds], dtype=torch.long).to(device)
+
+
+def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Counter-based noise: one uniform in ``(0, 1)`` per (seed, position), a pure tensor function.
+
+    Args:
+        seeds: ``[B]`` int64 (:func:`seed_tensor`).
+        positions: ``[B, ...]`` int64, ``0 <= position < 2**32``: where in the sequence the
+            sampled token goes.
+
+    Returns ``[B, ...]`` float64 with 52 random bits, the same on every device and in every batch:
+    nothing is drawn from a stateful generator, so a seeded row's randomness at a position does
+    not depend on what was drafted, verified or batched before it (and the step stays capturable).
+    """
+    shape = (-1,) + (1,) * (positions.dim() - 1)
+    lo, hi = (seeds & _M32).view(shape), ((seeds >> 32) & _M32).view(shape)
+    pos = positions & _M32
+    a = _mix32(_mix32(_mix32(pos ^ 0x9E3779B9) ^ lo) ^ hi)
+    b = _mix32(_mix32(_mix32(pos ^ 0x85EBCA6B) ^ hi) ^ lo)
+    bits = (a << 20) | (b >> 12)  # 52 bits
+    return (bits.double() + 0.5) / float(1 << 52)
+
+
+def noise_sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token that inverse-CDF sampling from ``p [..., V]`` picks with uniforms ``u [...]``:
+    ``[...]`` long. For ``u`` uniform, the token is distributed as ``p`` exactly; a token without
+    mass is never picked."""
+    cdf = p.double().cumsum(-1)
+    x = (u * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).clamp(max=p.shape[-1] - 1)
+    ok = p.gather(-1, idx) > 0  # only where rounding put x at the very end of the cdf
+    return torch.where(ok, idx, p.argmax(-1, keepdim=True)).squeeze(-1)
 
 
 def _deepest_valid(tree: Tree, node_ok: torch.Tensor) -> torch.Tensor:
@@ -296,54 +358,6 @@ def greedy_accept_rows(trees: TreeBatch, target: torch.Tensor) -> RowsAcceptance
     match[:, 0] = True
     best = _deepest_valid_rows(trees, match)
     return _read_back_rows(trees, best, target.gather(1, best[:, None])[:, 0])
-
-
-def _sibling_before_rows(trees: TreeBatch) -> torch.Tensor:
-    """``[B, N, N]`` bool: ``[b, i, j]`` when ``j`` is an earlier sibling of ``i`` in row ``b``."""
-    n = trees.num_nodes
-    idx = torch.arange(n, device=trees.device)
-    both = trees.valid[:, :, None] & trees.valid[:, None, :]
-    same = (trees.parents[:, :, None] == trees.parents[:, None, :]) & (idx[None, :] < idx[:, None]) & both
-    same[:, 0] = False
-    return same
-
-
-def sample_accept_rows(trees: TreeBatch, p: torch.Tensor, generators: Sequence[torch.Generator | None]) -> RowsAcceptance:
-    """:func:`sample_accept` for every row of a batch of deterministic drafts (no ``q``) at once.
-
-    Args:
-        trees: the rows' drafts, padded.
-        p: ``[B, N, V]`` each row's (warped) distribution after each node.
-        generators: one per row; each row draws exactly what :func:`sample_accept` draws for its
-            tree alone (its node count of uniforms, then its bonus), so a row's output does not
-            depend on the batch it ran in.
-    """
-    dev = p.device
-    b, n, vocab = p.shape
-    u = torch.ones(b, n, device=dev)
-    for r, (g, size) in enumerate(zip(generators, trees.sizes)):
-        u[r, :size] = torch.rand(size, generator=g, device=dev)
-    parents = trees.parents.clamp(min=0)
-    px = p.reshape(b, n * vocab).gather(1, parents * vocab + trees.tokens)  # [B, N]: p of each node's token at its parent
-    before = _sibling_before_rows(trees)
-    dup = (before & (trees.tokens[:, None, :] == trees.tokens[:, :, None])).any(-1)
-    px = torch.where(dup | ~trees.valid, 0.0, px)
-    tried_mass = (before.float() * px[:, None, :]).sum(-1)
-    left = (1.0 - tried_mass).clamp(min=0.0)
-    ok = (u * left < px) & trees.valid
-    ok[:, 0] = True
-    first = ok & ~(before & ok[:, None, :]).any(-1)
-    end = _deepest_valid_rows(trees, first)
-    idx = torch.arange(n, device=dev)
-    children = (trees.parents == end[:, None]) & (idx > 0) & trees.valid  # all tried and rejected
-    at_end = _row_at(p, end)  # [B, V]
-    drop = torch.zeros(b, vocab + 1, dtype=torch.bool, device=dev)
-    drop.scatter_(1, torch.where(children, trees.tokens, vocab), True)
-    residual = at_end.masked_fill(drop[:, :-1], 0.0)
-    total = residual.sum(-1, keepdim=True)
-    residual = torch.where(total > 1e-12, residual / total.clamp(min=1e-30), at_end)
-    bonus = torch.cat([torch.multinomial(residual[r], 1, generator=g) for r, g in enumerate(generators)])
-    return _read_back_rows(trees, end, bonus)
 
 
 def row_tree(trees: TreeBatch, r: int) -> tuple[torch.Tensor, Tree]:

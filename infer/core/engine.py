@@ -11,6 +11,7 @@ distribution exactly (``acceptance="typical"`` is the documented lossy exception
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -21,9 +22,11 @@ from .accept import (
     RowsAcceptance,
     greedy_accept,
     greedy_accept_rows,
+    noise_sample,
+    position_uniforms,
     row_tree,
     sample_accept,
-    sample_accept_rows,
+    seed_tensor,
     stack_acceptances,
     typical_accept,
     warp_probs,
@@ -215,11 +218,14 @@ def stream(
             stop conditions and randomness) and leaves the batch when it ends.
         max_new_tokens: exact upper bound on new tokens (default 128).
         temperature: 0 (default) = greedy; otherwise sample with ``top_p`` / ``top_k`` as HF does.
-        seed / generator: randomness for sampling. A ``generator`` on another device than the
-            verifier's (a CPU generator with a CUDA verifier) seeds one on the verifier's device
-            with a number drawn from it; without either, a fresh local generator is seeded from
-            the OS (the global torch generators are never reseeded). In a batch, row ``i`` is
-            seeded with ``seed + i``, or with a number drawn from ``generator``.
+        seed / generator: randomness for sampling. A seeded row's token at each position is
+            drawn with noise that depends on the seed and the position alone
+            (:func:`~infer.core.accept.position_uniforms`), so a seed gives the same text whatever
+            the drafter, the tree, the batch or the timing (drafts that carry their ``q``, and
+            typical acceptance, also draw from a generator seeded with it: their text repeats for
+            the same drafter and tree). Without a seed, one is drawn from ``generator`` (which
+            advances it), else from the OS (the global torch generators are never touched). In a
+            batch, row ``i`` is seeded with ``seed + i``, or with a number drawn from ``generator``.
         acceptance: ``"exact"`` (lossless, default) or ``"typical"`` (Medusa typical acceptance, lossy).
         params: ``max_new_tokens`` .. ``acceptance`` as one :class:`~infer.core.params.SamplingParams`
             (a batch may give one per prompt); giving both ``params`` and any of those is refused.
@@ -269,6 +275,16 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index == b.index or a.index is None or b.index is None
 
 
+def row_seed(seed: int | None, generator: torch.Generator | None) -> int:
+    """A generation's seed: ``seed``, else a number drawn from ``generator`` (advancing it), else
+    one from the OS (no global torch generator is touched)."""
+    if seed is not None:
+        return seed
+    if generator is not None:
+        return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+    return int.from_bytes(os.urandom(8), "little")
+
+
 def sampling_generator(device, seed: int | None, generator: torch.Generator | None) -> torch.Generator:
     """The generator the engine samples with, on ``device`` (the verifier's): ``generator`` when
     it is there already; else a fresh one on ``device``, seeded with ``seed``, or with a number
@@ -295,7 +311,9 @@ class _Row:
     drafter: Drafter
     stopper: _Stopper
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # for drafts that carry q, and typical acceptance
+    seed: int = 0  # keys the row's sampling noise (with the position)
+    key: torch.Tensor | None = None  # ``seed`` as a ``[1]`` int64 tensor on the device (copied there once)
     stats: GenerationStats = field(default_factory=GenerationStats)
     root: int = 0
     t_decode: float = 0.0
@@ -400,12 +418,14 @@ class Engine:
             raise UserError(f"prompt token ids must be in [0, {vocab}) for this verifier")
         self.verifier.check_fits(ids.numel() + params.max_new_tokens)
         stopper = _Stopper(params.max_new_tokens, eos_token_id, stop, tokenizer)
-        gen = None if params.greedy else sampling_generator(self.verifier.device, params.seed, generator)
+        seed = row_seed(params.seed, generator)
+        gen = None if params.greedy else sampling_generator(self.verifier.device, seed, None)
         if self.spawn or self._next > 0:
             drafter = self.drafter.spawn()
         else:
             drafter = self.drafter
-        row = _Row(self._next, ids, drafter, stopper, params, gen)
+        key = None if params.greedy else seed_tensor([seed], self.verifier.device)
+        row = _Row(self._next, ids, drafter, stopper, params, gen, seed, key)
         self._next += 1
         self.pending.append(row)
         return row.index
@@ -494,9 +514,7 @@ class Engine:
             if row.greedy:
                 firsts.append(out.logits[-1].argmax().view(1))
             else:
-                p = row.params
-                probs = warp_probs(out.logits[-1], max(p.temperature, 1e-5), p.top_k, p.top_p)
-                firsts.append(torch.multinomial(probs, 1, generator=row.generator))
+                firsts.append(self._sample(row, out.logits[-1:], torch.zeros(1, dtype=torch.long, device=out.logits.device)).view(1))
         roots = torch.cat(firsts).tolist()  # one read for every new row
         elapsed = time.perf_counter() - t0
         now = time.perf_counter()
@@ -608,20 +626,30 @@ class Engine:
         self._leave([r for r in rows if r.stopper.reason])
         return chunks
 
+    def _sample(self, row: _Row, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """Row ``row``'s sampled token after each of its nodes (``logits [N, V]``, ``depths [N]``
+        on the device): ``[N]``, from noise keyed by its seed and the position the token takes."""
+        first = row.ids.numel() + len(row.stopper.tokens)  # where the token after the root goes
+        u = position_uniforms(row.key, (depths + first).view(1, -1))[0]
+        return noise_sample(_probs(row.params, logits), u)
+
     def _accept(self, rows: list[_Row], trees: TreeBatch, logits: torch.Tensor, drafts: list[Draft]) -> RowsAcceptance:
-        """Every row's acceptance: greedy rows and exactly sampled rows of deterministic drafts
-        at once (one read back each), any other row (a draft with ``q``, typical acceptance) alone."""
-        if all(r.greedy for r in rows):
-            return greedy_accept_rows(trees, logits.argmax(-1))
-        exact = [r.params.acceptance == "exact" and not r.greedy for r in rows]
-        if all(exact) and trees.q is None:
-            p = torch.stack([_probs(r.params, logits[b]) for b, r in enumerate(rows)])
-            return sample_accept_rows(trees, p, [r.generator for r in rows])
+        """Every row's acceptance. A row's target after each node is the verifier's token there:
+        its argmax (greedy), or the token its seeded noise samples (exact sampling of a
+        deterministic draft, :meth:`_sample`); a child is accepted when it equals its parent's
+        target, so those rows are accepted together by one rule with one read back. A row whose
+        draft carries ``q``, or that asks for typical acceptance, is accepted alone."""
         target = logits.argmax(-1)
+        alone = [not r.greedy and (r.params.acceptance == "typical" or drafts[b].q is not None) for b, r in enumerate(rows)]
+        for b, row in enumerate(rows):
+            if not row.greedy and not alone[b]:
+                target[b] = self._sample(row, logits[b], trees.depths[b])
+        if not any(alone):
+            return greedy_accept_rows(trees, target)
         accs = []
         for b, row in enumerate(rows):
             tokens, tree = row_tree(trees, b)
-            if row.greedy:
+            if not alone[b]:
                 accs.append(greedy_accept(tokens, tree, target[b, : tree.num_nodes]))
             elif row.params.acceptance == "typical":
                 probs = warp_probs(logits[b, : tree.num_nodes], max(row.params.temperature, 1e-5), row.params.top_k, row.params.top_p)
