@@ -41,13 +41,14 @@ def free_port() -> int:
 
 
 class Running:
-    """A uvicorn server in a thread of this process, on a free loopback port."""
+    """The server ``specheads serve`` runs (:func:`make_server`), in a thread of this process, on a
+    free loopback port."""
 
-    def __init__(self, app):
-        import uvicorn
+    def __init__(self, app, limits: Limits | None = None):
+        from infer.tools.serve import make_server
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = make_server(app, "127.0.0.1", self.port, limits or Limits())
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -76,7 +77,7 @@ def tiny():
 def server(tiny):
     limits = Limits(max_rows=4, max_queue=8, max_tokens=64, max_body_bytes=4096, timeout_s=60)
     app = build_app(tiny.model, tiny.tokenizer, PromptLookupDrafter(), name=NAME, limits=limits)
-    with Running(app) as running:
+    with Running(app, limits) as running:
         yield running
 
 
@@ -219,7 +220,7 @@ class SlowPlainDrafter(NoDrafter):
 def test_a_full_queue_is_a_429_and_a_client_that_leaves_frees_its_row(tiny):
     limits = Limits(max_rows=1, max_queue=1, max_tokens=400, timeout_s=60)
     app = build_app(tiny.model, tiny.tokenizer, SlowPlainDrafter(), name=NAME, limits=limits)
-    with Running(app) as s:
+    with Running(app, limits) as s:
         body = {"model": NAME, "prompt": "go", "max_tokens": 400, "temperature": 0, "stream": True}
         with httpx.Client(timeout=60) as c1:
             with c1.stream("POST", s.url + "/v1/completions", json=body) as first:  # holds the one row

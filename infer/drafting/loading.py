@@ -82,6 +82,49 @@ def tree_fits(head_path: str, tree: TreeSpec) -> bool:
     return (read_config(resolve(head_path)).head_type in ("medusa", "medusa2")) == isinstance(tree, StaticTreeSpec)
 
 
+def tree_target(spec: str, parts: list[str], tree: TreeSpec | None) -> int | None:
+    """Which of a spec's ``parts`` draws ``tree`` (None: no tree given): the first, except under
+    ``auto``, where it is the first that grows that kind of tree (prompt lookup, last, grows any)."""
+    if tree is None:
+        return None
+    if spec.strip() == "auto":
+        return next((i for i, part in enumerate(parts) if part == "pld" or tree_fits(part, tree)), len(parts) - 1)
+    return 0
+
+
+def check_tree(spec: str, tree: TreeSpec | None, model=None) -> None:
+    """A one-line UserError when the drafter of ``spec`` that would draw ``tree`` grows another kind
+    (an EAGLE or block head: dynamic trees; a Medusa head: static ones; a draft model: chains).
+    Without ``model`` (before loading) only local and shipped heads are read; ``auto`` always fits."""
+    from heads.io import CheckpointError, is_hub_id, pretrained_names
+
+    parts = draft_parts(spec, model) if model is not None or spec.strip() != "auto" else []
+    i = tree_target(spec, parts, tree) if parts else None
+    if i is None or parts[i] in ("pld", "none"):
+        return
+    part = parts[i]
+    if is_hub_id(part) and part not in pretrained_names() and not Path(part).is_dir():
+        return  # checked when it is loaded
+    try:
+        fits = tree_fits(part, tree)
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    if not fits:
+        given = "a static" if isinstance(tree, StaticTreeSpec) else "a dynamic"
+        raise UserError(f"--tree is {given} tree, but the drafter that draws it, {part!r}, grows {_grows(part)}")
+
+
+def _grows(part: str) -> str:
+    """What kind of tree the drafter ``part`` grows, for an error message."""
+    from heads.io import read_config, resolve
+
+    if is_draft_model_spec(part):
+        return "chains (chain:D, or a dynamic tree)"
+    if read_config(resolve(part)).head_type in ("medusa", "medusa2"):
+        return "static trees: pass one such as medusa-16 or chain:4"
+    return "dynamic trees: pass one such as eagle2-16 or dynamic:5,4,16"
+
+
 def probe_cost(model, linear: str = "auto") -> OnlineCost | None:
     """The verify-cost curve to size drafts by: a short probe (about a second on a small model)
     on the verifier's ``linear`` kernel, refined by the engine's own measurements. None when the
@@ -122,8 +165,7 @@ def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str 
 
         return load_head_drafter(part, model, tree_, cost, dtype=draft_dtype)
 
-    target = 0  # the drafter that `tree` shapes (the drafters carry their trees; none is passed per call)
-    if spec.strip() == "auto" and tree is not None:  # a head that grows this kind of tree, else prompt lookup (last)
-        target = next((i for i, part in enumerate(parts) if part == "pld" or tree_fits(part, tree)), len(parts) - 1)
+    check_tree(spec, tree, model)
+    target = tree_target(spec, parts, tree)  # the drafter that `tree` shapes (drafters carry their trees)
     drafters = [one(part, tree if i == target else None) for i, part in enumerate(parts)]
     return drafters[0] if len(drafters) == 1 else UnionDrafter(drafters)

@@ -170,12 +170,15 @@ def _load(args, text_for: str | None = None, check=None):
     return lv
 
 
-def _check_drafts(*specs: str) -> None:
-    """Every --draft spec, checked before any model loads (names, paths, 'none' combined, twice)."""
-    from ..drafting.loading import draft_parts
+def _check_drafts(*specs: str, trees=None) -> None:
+    """Every --draft spec, checked before any model loads (names, paths, 'none' combined, twice),
+    and that the drafter of each which would draw its tree (``trees``: one per spec, or None)
+    grows that kind of tree."""
+    from ..drafting.loading import check_tree, draft_parts
 
-    for spec in specs:
+    for spec, tree in zip(specs, trees or [None] * len(specs)):
         draft_parts(spec, None)
+        check_tree(spec, tree)
 
 
 def _fits_context(texts, chat, max_new_tokens: int, what):
@@ -227,7 +230,7 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise UserError("the prompt is empty: give some text")
     tree = _tree(args)
-    _check_drafts(args.draft)
+    _check_drafts(args.draft, trees=[tree])
     lv = _load(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
     drafter = _drafter(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
@@ -344,7 +347,7 @@ def cmd_bench(args) -> int:
     if len(set(labels)) != len(labels):
         raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component and the tree)")
     trees = [load_tree_spec(t) if t else tree for _, t in entries]  # bad trees fail before loading
-    _check_drafts(*(d for d, _ in entries))
+    _check_drafts(*(d for d, _ in entries), trees=trees)
     kernels = bench_kernels(args.linear)
     lv = _load(args, "bench reads text prompts", _fits_context([p.text for p in prompts], args.chat is not False,
                                                                 args.max_new_tokens, lambda i: f"prompt {i + 1} of {args.prompts}"))
@@ -401,7 +404,7 @@ def cmd_chat(args) -> int:
 
     _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     tree = _tree(args)
-    _check_drafts(args.draft)
+    _check_drafts(args.draft, trees=[tree])
     lv = _load(args, "chat needs text")
     drafter = _drafter(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -659,7 +662,7 @@ def cmd_loadgen(args) -> int:
 def cmd_serve(args) -> int:
     from .serve import cmd_serve as serve
 
-    _check_drafts(args.draft)
+    _check_drafts(args.draft, trees=[_tree(args)])
     return serve(args, _load, _drafter, _tree)
 
 

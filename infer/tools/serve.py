@@ -30,8 +30,6 @@ from ..core.errors import UserError
 from ..core.params import MAX_SEED, SamplingParams
 from ..core.text import StreamDecoder
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -45,21 +43,29 @@ class Limits:
     timeout_s: float = 300.0  # per request, from arrival to its last token
     shutdown_timeout_s: float = 30.0
     join_wait: int = 4  # steps queued requests may wait for a row about to end, to join in one prefill pass
+    max_connections: int = 1024  # HTTP requests open at once (reading, queued, decoding): 503 beyond
+    read_timeout_s: float = 10.0  # for a request's head and body to arrive (408 / closed beyond)
 
     def __post_init__(self) -> None:
         if not isinstance(self.join_wait, int) or isinstance(self.join_wait, bool) or self.join_wait < 0:
             raise UserError(f"--join-wait must be a non-negative integer, not {self.join_wait!r}")
         flags = {"max_rows": "--max-seqs", "max_queue": "--max-queue", "max_tokens": "--max-tokens",
-                 "max_body_bytes": "--max-body-bytes", "max_prompt_tokens": "--max-prompt-tokens"}
+                 "max_body_bytes": "--max-body-bytes", "max_prompt_tokens": "--max-prompt-tokens",
+                 "max_connections": "--max-connections"}
         for name, flag in flags.items():
             v = getattr(self, name)
             if v is None and name == "max_prompt_tokens":
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UserError(f"{flag} must be a positive integer, not {v!r}")
-        for name, flag in (("timeout_s", "--timeout"), ("shutdown_timeout_s", "--shutdown-timeout")):
-            if not getattr(self, name) > 0:
+        for name, flag in (("timeout_s", "--timeout"), ("shutdown_timeout_s", "--shutdown-timeout"),
+                           ("read_timeout_s", "--read-timeout")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
                 raise UserError(f"{flag} must be a positive number of seconds, not {getattr(self, name)!r}")
+        if self.max_connections < self.max_queue + self.max_rows:
+            raise UserError(f"--max-connections ({self.max_connections}) must be at least --max-queue + --max-seqs "
+                            f"({self.max_queue + self.max_rows}): requests beyond the queue get 429, not 503")
 
 
 class APIError(Exception):
@@ -145,7 +151,7 @@ class EngineLoop:
 
     def stop(self, deadline_s: float) -> None:
         """Take no more requests; let the running ones finish for ``deadline_s`` seconds, then
-        cancel what is left (their clients get what was generated, finish_reason ``stop``)."""
+        cancel what is left (their clients get what was generated, finish_reason ``abort``)."""
         with self._cond:
             self._stopping = True
             for req in self._inbox:
@@ -172,7 +178,7 @@ class EngineLoop:
             for req in cancels:
                 if req.index is not None and self.engine.cancel(req.index):
                     self._by_index.pop(req.index, None)
-                    req.put(Chunk([], None, req.index))  # the end (no stats: cancelled)
+                    req.put(Chunk([], None, req.index))  # the end (no stats: cut short, finish_reason abort)
             for req in inbox:
                 try:
                     req.index = self.engine.add(req.ids, req.params, eos_token_id=self.eos, stop=req.stop or None,
@@ -264,9 +270,19 @@ class Metrics:
 # --------------------------------------------------------------------------------------------
 
 
-_UNSUPPORTED = {"logprobs": None, "echo": False, "best_of": None, "logit_bias": None, "suffix": None,
-                "presence_penalty": 0, "frequency_penalty": 0, "tools": None, "tool_choice": None,
-                "response_format": None, "top_logprobs": None}
+#: fields this server does not implement, with the values that ask for nothing (a client that
+#: sends OpenAI's defaults explicitly is served; any other value is a 422 naming the field)
+_NEUTRAL = {"logprobs": (None, False, 0), "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
+            "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
+            "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "top_logprobs": (None, 0),
+            "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, False, True)}
+
+
+def _neutral(value, allowed) -> bool:
+    """Whether ``value`` asks for nothing: null, or one of ``allowed`` (a boolean is no number, but
+    ``0.0`` is ``0``)."""
+    return value is None or any(type(value) is type(a) and value == a for a in allowed if a is not None) or (
+        type(value) is float and any(type(a) is int and value == a for a in allowed))
 
 
 def _number(body: dict, key: str, default, lo, hi, kind=float):
@@ -283,13 +299,15 @@ def _number(body: dict, key: str, default, lo, hi, kind=float):
 def sampling_from(body: dict, limits: Limits, prompt_tokens: int, context: int | None) -> tuple[SamplingParams, list[str]]:
     """The request's sampling fields as :class:`SamplingParams` and its stop strings; an
     :class:`APIError` (422 malformed, 400 beyond a limit) otherwise."""
-    for key, neutral in _UNSUPPORTED.items():
-        if key in body and body[key] not in (neutral, None) and not (neutral == 0 and body[key] == 0):
-            raise APIError(422, f"'{key}' is not supported by this server", param=key)
-    n = body.get("n", 1)
-    if n not in (1, None):
+    for key, allowed in _NEUTRAL.items():
+        if key in body and not _neutral(body[key], allowed):
+            raise APIError(422, f"'{key}' is not supported by this server (send it unset or {allowed[1]!r})", param=key)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
         raise APIError(422, "'n' must be 1: this server returns one choice per prompt", param="n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:  # an explicit null is as good as absent
+        max_tokens = body.get("max_tokens")
     if max_tokens is None:  # OpenAI's defaults: 16 for a completion, up to the context for a chat
         room = limits.max_tokens if context is None else max(1, min(limits.max_tokens, context - prompt_tokens))
         max_tokens = min(16, room) if "messages" not in body else room
@@ -323,6 +341,98 @@ def sampling_from(body: dict, limits: Limits, prompt_tokens: int, context: int |
     params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                             top_k=max(0, int(top_k)), seed=None if seed is None else seed % (MAX_SEED + 1))
     return params, [s for s in stop if s]
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def chat_turns(messages) -> list[dict]:
+    """OpenAI chat ``messages`` as ``[{role, content}]`` for the chat template: roles system,
+    developer (OpenAI's name for system), user and assistant; content a string or a list of text
+    parts (``{"type": "text", "text": ...}``, joined by newlines). An :class:`APIError` (422) names
+    what else was sent."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(422, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    turns = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in _ROLES:
+            raise APIError(422, f"messages[{i}]: 'role' must be system, developer, user or assistant, not {role!r:.40}",
+                           param="messages")
+        content = m.get("content")
+        if isinstance(content, list) and content and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(422, f"messages[{i}]: 'content' must be a string or a list of text parts "
+                                "({\"type\": \"text\", \"text\": ...}); this server reads text only", param="messages")
+        turns.append({"role": _ROLES[role], "content": content})
+    return turns
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or an :class:`APIError`: 400 for what is not JSON (nested
+    too deeply for the parser included), 422 for JSON that is not an object."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON here: it is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise APIError(422, "the request body must be a JSON object")
+    return data
+
+
+def check_content_type(headers) -> None:
+    """POST bodies must say they are JSON (a page's ``text/plain`` form post is no API call): 415."""
+    kind = (headers.get("content-type") or "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, not {kind or 'missing'!r:.60} "
+                            "(curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
+
+
+async def read_json(request, limits: Limits) -> dict:
+    """The request's body as a JSON object, read within ``limits.read_timeout_s`` (408 beyond) and
+    ``limits.max_body_bytes`` (413 beyond); a client that leaves mid-body is a :class:`Gone`."""
+    from starlette.requests import ClientDisconnect
+
+    check_content_type(request.headers)
+    parts, size = [], 0
+
+    async def read() -> None:
+        nonlocal size
+        async for part in request.stream():
+            parts.append(part)
+            size += len(part)
+            if size > limits.max_body_bytes:
+                raise APIError(413, f"the request body is over this server's limit of {limits.max_body_bytes} bytes",
+                               code="body_too_large")
+
+    try:
+        await asyncio.wait_for(read(), timeout=limits.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.read_timeout_s:g} s", "timeout_error",
+                       code="timeout") from None
+    except ClientDisconnect:
+        raise Gone from None
+    return parse_body(b"".join(parts))
+
+
+class Gone(Exception):
+    """The client went away: nothing to answer, nothing to log."""
+
+
+#: how often a request whose client may have left is checked while it decodes (seconds)
+DISCONNECT_CHECK_S = 0.25
+
+
+def finish_reason(engine_reason: str | None, stop_string: bool) -> str:
+    """OpenAI's ``finish_reason`` for a request that ended for ``engine_reason`` (``eos``, ``stop``,
+    ``length``; None: cut short, by a shutdown) with a stop string in its text or not."""
+    if stop_string or engine_reason in ("eos", "stop"):
+        return "stop"
+    return "length" if engine_reason == "length" else "abort"
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -364,9 +474,10 @@ class _Text:
 # --------------------------------------------------------------------------------------------
 
 
-def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None, linear: str = "auto"):
+def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: str = "auto", host: str | None = None):
     """The FastAPI app serving ``model`` with ``drafter`` (see the module docstring). Its engine
-    loop starts with the app (lifespan) and stops with it."""
+    loop starts with the app (lifespan) and stops with it. ``host``: the address it is served on;
+    on a loopback address, requests naming another ``Host`` are refused (DNS rebinding)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -380,7 +491,7 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
     from ..core.verifier import Verifier, context_length
 
     verifier = Verifier(model, linear=linear)
-    engine = Engine(verifier, drafter, tree=tree, max_rows=limits.max_rows, spawn=True, join_wait=limits.join_wait)
+    engine = Engine(verifier, drafter, max_rows=limits.max_rows, spawn=True, join_wait=limits.join_wait)
     metrics = Metrics()
     eos = eos_ids(model, tokenizer)
     loop_ = EngineLoop(engine, eos, tokenizer, limits, metrics)
@@ -417,26 +528,15 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
             e.status_code, str(e.detail))
         return error(APIError(e.status_code, msg, "invalid_request_error" if e.status_code < 500 else "server_error"))
 
+    @app.exception_handler(Gone)
+    async def _gone(request, e: Gone):  # the client left: the answer goes nowhere, nothing is logged
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):  # never a traceback to the client
         return error(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
-    app.add_middleware(_BodyLimit, limit=limits.max_body_bytes)
-
-    async def read_json(request: HTTPRequest) -> dict:
-        body = b""
-        async for part in request.stream():
-            body += part
-            if len(body) > limits.max_body_bytes:
-                raise APIError(413, f"the request body is over this server's limit of {limits.max_body_bytes} bytes",
-                               code="body_too_large")
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise APIError(422, "the request body must be a JSON object")
-        return data
+    app.add_middleware(_Gate, limits=limits, hosts=loopback_names(host))
 
     def check_model(body: dict) -> None:
         m = body.get("model")
@@ -448,16 +548,7 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
         from ..core.text import check_text, encode_prompt
 
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise APIError(422, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-            turns = []
-            for m in messages:
-                if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                        and isinstance(m.get("content"), str)):
-                    raise APIError(422, "each message needs a 'role' (system, user or assistant) and a string 'content'",
-                                   param="messages")
-                turns.append({"role": m["role"], "content": m["content"]})
+            turns = chat_turns(body.get("messages"))
             try:
                 for t in turns:
                     check_text(t["content"], "a message")
@@ -484,7 +575,7 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
 
     async def generate(request: HTTPRequest, chat: bool):
         endpoint = request.url.path
-        body = await read_json(request)
+        body = await read_json(request, limits)
         check_model(body)
         ids = await asyncio.to_thread(encode, body, chat)
         if not ids:
@@ -503,17 +594,22 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
         deadline = req.arrived + limits.timeout_s
 
         async def chunks():
-            """The request's chunks until its last (an APIError is raised)."""
+            """The request's chunks until its last (an APIError is raised; a client that left, at
+            most ``DISCONNECT_CHECK_S`` ago, is a :class:`Gone`)."""
+            checked = time.perf_counter()
             while True:
-                left = deadline - time.perf_counter()
+                now = time.perf_counter()
+                left = deadline - now
                 if left <= 0:
                     raise APIError(408, f"the request took longer than this server's limit of {limits.timeout_s:g} s",
                                    "timeout_error", code="timeout")
-                try:
-                    item = await asyncio.wait_for(req.queue.get(), timeout=min(left, 1.0))
-                except asyncio.TimeoutError:
+                if now - checked >= DISCONNECT_CHECK_S:
+                    checked = now
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError from None
+                        raise Gone
+                try:
+                    item = await asyncio.wait_for(req.queue.get(), timeout=min(left, DISCONNECT_CHECK_S))
+                except asyncio.TimeoutError:
                     continue
                 if isinstance(item, APIError):
                     raise item
@@ -526,8 +622,7 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
             new = text.push(chunk.token_ids, final)
             reason = None
             if text.done:
-                reason = "stop" if (chunk.stats is None or chunk.stats.finish_reason != "length" or
-                                    _cut_at_stop(text.text, stop)[1]) else "length"
+                reason = finish_reason(chunk.stats.finish_reason if chunk.stats else None, _cut_at_stop(text.text, stop)[1])
             return new, reason
 
         def usage(completion: int) -> dict:
@@ -585,6 +680,8 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
             except APIError as e:
                 metrics.requests.labels(endpoint, str(e.status)).inc()
                 yield f"data: {json.dumps(e.body())}\n\n"
+            except Gone:
+                pass  # nobody to answer
             finally:
                 if not finished:
                     loop_.cancel(req)  # the client went away (or an error): free the row
@@ -618,28 +715,116 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, tree=None
     return app
 
 
-class _BodyLimit:
-    """ASGI middleware: a request whose declared body is over ``limit`` bytes gets a 413 before
-    its body is read (a body without a declared length is counted as it is read)."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+
+def loopback_names(host: str | None) -> frozenset[str] | None:
+    """The ``Host`` names a server bound to ``host`` answers: on a loopback address, the loopback
+    names (a page that rebinds its own name to 127.0.0.1 still sends that name); None (any) else."""
+    if host is None or not (host in LOOPBACK or host.startswith("127.")):
+        return None
+    return frozenset((*LOOPBACK, host))
+
+
+def host_name(header: bytes) -> str:
+    """The name in a ``Host`` header (``[::1]:8000`` -> ``::1``, ``localhost:8000`` -> ``localhost``)."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].split("]", 1)[0]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+async def send_error(send, e: APIError) -> None:
+    """``e`` as a whole JSON response, on a raw ASGI ``send``."""
+    body = json.dumps(e.body()).encode()
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Gate:
+    """ASGI middleware in front of the app, before any body is read: a foreign ``Host`` on a
+    loopback bind (421), a declared body over the limit (413), and more than
+    ``limits.max_connections`` requests open at once (503) are answered in OpenAI's JSON."""
+
+    def __init__(self, app, limits: Limits, hosts: frozenset[str] | None):
+        self.app, self.limits, self.hosts = app, limits, hosts
+        self.open = 0
+
+    def refusal(self, headers: dict) -> APIError | None:
+        host = headers.get(b"host")
+        if self.hosts is not None and host is not None and host_name(host) not in self.hosts:
+            return APIError(421, f"this server answers requests for {', '.join(sorted(self.hosts))} only, not "
+                                 f"{host.decode('latin-1')[:60]!r}", code="misdirected_request")
+        size = headers.get(b"content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.limits.max_body_bytes):
+            return APIError(413, f"the request body is over this server's limit of {self.limits.max_body_bytes} bytes",
+                            code="body_too_large")
+        if self.open >= self.limits.max_connections:
+            return APIError(503, f"the server has {self.open} requests open, its limit (--max-connections): retry later",
+                            "server_error", code="server_overloaded")
+        return None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            size = dict(scope.get("headers") or ()).get(b"content-length")
-            if size is not None and (not size.isdigit() or int(size) > self.limit):
-                from fastapi.responses import JSONResponse
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        e = self.refusal(dict(scope.get("headers") or ()))
+        if e is not None:
+            await send_error(send, e)
+            return
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
 
-                e = APIError(413, f"the request body is over this server's limit of {self.limit} bytes", code="body_too_large")
-                await JSONResponse(e.body(), status_code=413)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+
+def _protocol(read_timeout_s: float):
+    """uvicorn's h11 protocol, but a connection whose request head has not arrived within
+    ``read_timeout_s`` (a new connection, or the next request on a kept-alive one) is closed: a
+    client that opens connections and sends nothing, or half a head, holds nothing for long."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _head_timer = None
+        _head_cycle = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_head()
+
+        def _await_head(self) -> None:
+            if self._head_timer is not None and self._head_cycle is self.cycle:
+                return  # already waiting for this head: more bytes of it do not extend the wait
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_cycle = self.cycle
+            self._head_timer = self.loop.call_later(read_timeout_s, self._head_late)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.cycle is self._head_cycle and not self.transport.is_closing():  # no request began since
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # between requests: a head is coming
+                self._await_head()
+            super().data_received(data)
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
 
 
-def serve(app, host: str, port: int, limits: Limits) -> int:
-    """Run ``app`` with uvicorn until SIGTERM / SIGINT (then: stop accepting, finish or cancel
-    within the shutdown timeout, exit 0)."""
+def make_server(app, host: str, port: int, limits: Limits):
+    """The uvicorn server of ``app`` (built by :func:`build_app`): its h11 protocol with the head
+    timeout (:func:`_protocol`), no concurrency limit of uvicorn's (``_Gate`` answers in JSON), and
+    on SIGTERM / SIGINT: stop accepting, let running requests finish within the shutdown timeout,
+    end the rest with what they have (``abort``), then close; a SIGTERM exits 0."""
     import contextlib
     import signal
 
@@ -650,6 +835,9 @@ def serve(app, host: str, port: int, limits: Limits) -> int:
         def capture_signals(self):
             """uvicorn's, but a SIGTERM is a requested stop: after the graceful shutdown the process
             exits 0 instead of raising the signal again (SIGINT still ends as an interrupt)."""
+            if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+                yield
+                return
             handled = (signal.SIGINT, signal.SIGTERM)
             original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
             try:
@@ -660,9 +848,22 @@ def serve(app, host: str, port: int, limits: Limits) -> int:
             if self.should_exit and self.force_exit is False and signal.SIGINT in getattr(self, "_captured_signals", ()):
                 raise KeyboardInterrupt
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(limits.shutdown_timeout_s),
-                            limit_concurrency=limits.max_queue + limits.max_rows + 16, access_log=False)
-    Server(config).run()
+        async def shutdown(self, sockets=None) -> None:
+            """The engine drains first, while the handlers still run (uvicorn's own graceful wait
+            would cancel them mid-answer), then uvicorn closes what is left."""
+            for server in self.servers:
+                server.close()
+            await asyncio.to_thread(app.state.engine_loop.stop, limits.shutdown_timeout_s)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=_protocol(limits.read_timeout_s),
+                            timeout_graceful_shutdown=10, limit_concurrency=None, access_log=False)
+    return Server(config)
+
+
+def serve(app, host: str, port: int, limits: Limits) -> int:
+    """Run ``app`` with uvicorn until SIGTERM / SIGINT (:func:`make_server`); 0 after a SIGTERM."""
+    make_server(app, host, port, limits).run()
     return 0
 
 
@@ -684,7 +885,12 @@ def add_parser(sub, add_common, add_placement) -> None:
                    help="steps queued requests may wait, with a sequence free, for a running one that reaches its token "
                         "limit within them, so that they are prefilled in one pass (0: join at the next step)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds for running requests to finish before they are cancelled")
+                   help="on SIGTERM: seconds for running requests to finish before they are cut (finish_reason abort)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="HTTP requests open at once, reading, queued or decoding (503 beyond; at least --max-queue + "
+                        "--max-seqs: requests beyond the queue get 429)")
+    s.add_argument("--read-timeout", type=float, default=10.0,
+                   help="seconds for a request's head and body to arrive (beyond: the connection is closed, or 408)")
 
 
 def cmd_serve(args, load, drafter_for, tree_for) -> int:
@@ -699,13 +905,14 @@ def cmd_serve(args, load, drafter_for, tree_for) -> int:
         raise UserError(f"--port must be in 1..65535, not {args.port}")
     limits = Limits(max_rows=args.max_seqs, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout,
-                    shutdown_timeout_s=args.shutdown_timeout, join_wait=args.join_wait)
+                    shutdown_timeout_s=args.shutdown_timeout, join_wait=args.join_wait,
+                    max_connections=args.max_connections, read_timeout_s=args.read_timeout)
     _check_port_free(args.host, args.port)
     tree = tree_for(args)
     lv = load(args, "serve needs a tokenizer (random shapes without one cannot take text)")
     drafter = drafter_for(args, args.draft, lv.model, tree)
     name = args.model_name or args.verifier
-    app = build_app(lv.model, lv.tokenizer, drafter, name=name, limits=limits, tree=tree, linear=args.linear)
+    app = build_app(lv.model, lv.tokenizer, drafter, name=name, limits=limits, linear=args.linear, host=args.host)
     import sys
 
     print(f"specheads serve: {name} with --draft {args.draft} on http://{args.host}:{args.port}/v1 "
