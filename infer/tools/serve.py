@@ -7,11 +7,13 @@ as server-sent events in OpenAI's chunk format), ``GET /v1/models``, ``GET /heal
 ``GET /metrics`` (Prometheus text). One thread, the engine loop, owns the model: it takes new
 requests at every step boundary (they join the running batch) and hands each step's tokens to
 the requests' queues; the HTTP side (FastAPI on uvicorn) only validates, tokenizes, queues and
-streams. Every queue and size is bounded (rows decoded at once, requests waiting, prompt and
-completion tokens, body bytes, seconds per request); what is refused gets an OpenAI-style JSON
-error and the server keeps serving. A client that disconnects frees its row at the next step;
-SIGTERM stops accepting, lets running requests finish within ``--shutdown-timeout`` seconds,
-cancels the rest and exits 0.
+streams. Every queue, size and wait is bounded (rows decoded at once, requests waiting, requests
+open, prompt and completion tokens, body bytes, seconds for a request's head and body to arrive
+and for the whole request); what is refused gets an OpenAI-style JSON error, nothing a client
+does logs a traceback, and the server keeps serving. A client that disconnects, streaming or not,
+frees its row within ``DISCONNECT_CHECK_S``; SIGTERM stops accepting, lets running requests finish
+within ``--shutdown-timeout`` seconds, ends the rest with what they have (``finish_reason``
+``abort``) and exits 0. A seeded request is the same text alone or batched, drafted or not.
 
 FastAPI, uvicorn and prometheus-client are imported here only (``pip install specheads[serve]``).
 (No ``from __future__ import annotations``: FastAPI reads the handlers' annotations at definition.)
