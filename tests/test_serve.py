@@ -324,8 +324,8 @@ def test_a_reader_behind_the_engine_gets_every_chunk_as_it_was(tiny):
         loop_.start()
         loop_.submit(req)
         deadline = time.time() + 60
-        while (req.index is None or loop_.engine.busy) and time.time() < deadline:
-            time.sleep(0.01)  # the reader waits until the engine is done with the whole generation
+        while (req.index is None or req.index in loop_._by_index) and time.time() < deadline:
+            time.sleep(0.01)  # the reader waits until the engine loop has handed over the whole generation
         aio.run_until_complete(asyncio.sleep(0))  # deliver what the engine thread handed over
         chunks = []
         while not req.queue.empty():

@@ -403,6 +403,7 @@ class Engine:
         self.last_drafted = False  # whether any row drafted in the last decode step (for metrics)
         self._probe = 0  # the row that drafts when the policy probes one
         self._admitted_last = False
+        self._admitting = 0  # rows taken from the queue and being prefilled (in neither list)
         self._next = 0
 
     # ---- the queue -----------------------------------------------------------------------------
@@ -451,7 +452,7 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Whether any generation is running or queued."""
-        return bool(self.rows or self.pending)
+        return bool(self.rows or self.pending or self._admitting)
 
     def run(self) -> Iterator[Chunk]:
         """:meth:`step` until every generation has ended, yielding the chunks."""
@@ -490,7 +491,15 @@ class Engine:
         return left > 0 and any(r.stopper.max_new - len(r.stopper.tokens) <= left for r in rows)
 
     def _admit(self, rows: list[_Row]) -> list[Chunk]:
-        """Prefill ``rows`` (in passes of like prompt lengths), append them to the batch; their first tokens."""
+        """Prefill ``rows`` (in passes of like prompt lengths), append them to the batch; their first
+        tokens. Another thread reading :attr:`busy` meanwhile sees them (e.g. a server draining)."""
+        self._admitting = len(rows)
+        try:
+            return self._prefill(rows)
+        finally:
+            self._admitting = 0
+
+    def _prefill(self, rows: list[_Row]) -> list[Chunk]:
         del self.pending[: len(rows)]
         self.last_sizes = ()
         if not self.rows:

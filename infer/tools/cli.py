@@ -13,6 +13,7 @@ import re
 import sys
 
 from ..core.errors import UserError
+from .load import check_drafts, drafter_for, tree_for, verifier_for
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,12 +138,6 @@ def bench_drafts(text: str) -> list[tuple[str, str | None]]:
     return out
 
 
-def _tree(args):
-    from ..core.tree import load_tree_spec
-
-    return load_tree_spec(args.tree) if args.tree else None
-
-
 def _params(args, **kw):
     from ..core.params import SamplingParams
 
@@ -154,31 +149,6 @@ def _check_prompt_text(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise UserError("the prompt is not valid UTF-8 (it holds undecodable bytes): pass it as UTF-8 text") from None
-
-
-def _load(args, text_for: str | None = None, check=None):
-    """The verifier, after checking the device (a bad --device fails before any loading); with
-    ``text_for`` (what needs text), a verifier without a tokenizer is a user error. ``check``: see
-    :func:`~infer.core.models.load_verifier` (runs before the weights load where it can)."""
-    from ..core import models
-
-    models.resolve_device(args.device)
-    kw = {"check": check} if check is not None else {}
-    lv = models.load_verifier(args.verifier, dtype=args.dtype, device=args.device, **kw)
-    if text_for and lv.tokenizer is None:
-        raise UserError(f"verifier {args.verifier!r} has no tokenizer: {text_for}")
-    return lv
-
-
-def _check_drafts(*specs: str, trees=None) -> None:
-    """Every --draft spec, checked before any model loads (names, paths, 'none' combined, twice),
-    and that the drafter of each which would draw its tree (``trees``: one per spec, or None)
-    grows that kind of tree."""
-    from ..drafting.loading import check_tree, draft_parts
-
-    for spec, tree in zip(specs, trees or [None] * len(specs)):
-        draft_parts(spec, None)
-        check_tree(spec, tree)
 
 
 def _fits_context(texts, chat, max_new_tokens: int, what):
@@ -195,13 +165,6 @@ def _fits_context(texts, chat, max_new_tokens: int, what):
             check_fits(config, encode_prompt(tokenizer, text, chat=chat).numel() + max_new_tokens,
                        f"{what(i)} plus max_new_tokens")
     return check
-
-
-def _drafter(args, draft: str, model, tree, linear: str | None = None, tokenizer=None):
-    from ..drafting.loading import load_drafter
-
-    return load_drafter(draft, model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype,
-                        linear=linear or args.linear, tokenizer=tokenizer)
 
 
 def _verifier(args, model):
@@ -229,11 +192,11 @@ def cmd_generate(args) -> int:
     _check_prompt_text(args.prompt)
     if not args.prompt.strip():
         raise UserError("the prompt is empty: give some text")
-    tree = _tree(args)
-    _check_drafts(args.draft, trees=[tree])
-    lv = _load(args, "generate needs text (random shapes without one: use bench or cost)",
+    tree = tree_for(args)
+    check_drafts(args.draft, trees=[tree])
+    lv = verifier_for(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
-    drafter = _drafter(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
+    drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
     verifier = _verifier(args, lv.model)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     chunks = stream(verifier, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
@@ -342,20 +305,20 @@ def cmd_bench(args) -> int:
     if args.plot:
         check_not_input(args.plot, "--plot", [("--out", out)])
     prompts = read_prompts(args.prompts, args.limit, MT_BENCH_GROUP if args.group_mt_bench else None)
-    tree = _tree(args)
+    tree = tree_for(args)
     labels = [(Path(d).name or d) + (f"@{t}" if t else "") for d, t in entries]
     if len(set(labels)) != len(labels):
         raise UserError(f"--draft {args.draft!r}: give each draft once (labels are the last path component and the tree)")
     trees = [load_tree_spec(t) if t else tree for _, t in entries]  # bad trees fail before loading
-    _check_drafts(*(d for d, _ in entries), trees=trees)
+    check_drafts(*(d for d, _ in entries), trees=trees)
     kernels = bench_kernels(args.linear)
-    lv = _load(args, "bench reads text prompts", _fits_context([p.text for p in prompts], args.chat is not False,
+    lv = verifier_for(args, "bench reads text prompts", _fits_context([p.text for p in prompts], args.chat is not False,
                                                                 args.max_new_tokens, lambda i: f"prompt {i + 1} of {args.prompts}"))
     drafters, kernel_of = {}, {}
     for i, kernel in enumerate(kernels):  # each kernel its own drafters: their cost curves learn its times
         for label, (d, _), t in zip(labels, entries, trees):
             name = label if i == 0 else f"{label}[{kernel}]"
-            drafters[name], kernel_of[name] = _drafter(args, d, lv.model, t, kernel, tokenizer=lv.tokenizer), kernel
+            drafters[name], kernel_of[name] = drafter_for(args, d, lv.model, t, kernel, tokenizer=lv.tokenizer), kernel
     config = bench_fingerprint(args)
     results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
@@ -403,10 +366,10 @@ def cmd_chat(args) -> int:
     from .chat import ChatSession, run_chat
 
     _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    tree = _tree(args)
-    _check_drafts(args.draft, trees=[tree])
-    lv = _load(args, "chat needs text")
-    drafter = _drafter(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
+    tree = tree_for(args)
+    check_drafts(args.draft, trees=[tree])
+    lv = verifier_for(args, "chat needs text")
+    drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen, verifier=_verifier(args, lv.model)))
@@ -523,7 +486,7 @@ def cmd_cost(args) -> int:
                                ("--repeats", args.repeats, MAX_COST_REPEATS)):
         if value > limit:
             raise UserError(f"{what} {value} is beyond the limit of {limit}")
-    lv = _load(args)
+    lv = verifier_for(args)
     cost = measure_verify_cost(lv.model, nodes, prefix_len=args.prefix_len, repeats=args.repeats, linear=args.linear)
     if args.json:
         print(json.dumps(cost))
@@ -662,8 +625,7 @@ def cmd_loadgen(args) -> int:
 def cmd_serve(args) -> int:
     from .serve import cmd_serve as serve
 
-    _check_drafts(args.draft, trees=[_tree(args)])
-    return serve(args, _load, _drafter, _tree)
+    return serve(args)
 
 
 def main(argv=None) -> int:

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field, replace
 
 from ..core.engine import Chunk, Engine
 from ..core.errors import UserError
-from ..core.params import MAX_SEED, SamplingParams
-from ..core.text import StreamDecoder
+from ..core.params import SamplingParams
+from . import protocol
+from .protocol import APIError, check_content_type, parse_body
 
 
 @dataclass(frozen=True)
@@ -68,18 +69,6 @@ class Limits:
         if self.max_connections < self.max_queue + self.max_rows:
             raise UserError(f"--max-connections ({self.max_connections}) must be at least --max-queue + --max-seqs "
                             f"({self.max_queue + self.max_rows}): requests beyond the queue get 429, not 503")
-
-
-class APIError(Exception):
-    """A request refused with an HTTP status and an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,128 +261,6 @@ class Metrics:
 # --------------------------------------------------------------------------------------------
 
 
-#: fields this server does not implement, with the values that ask for nothing (a client that
-#: sends OpenAI's defaults explicitly is served; any other value is a 422 naming the field)
-_NEUTRAL = {"logprobs": (None, False, 0), "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
-            "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
-            "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "top_logprobs": (None, 0),
-            "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, False, True)}
-
-
-def _neutral(value, allowed) -> bool:
-    """Whether ``value`` asks for nothing: null, or one of ``allowed`` (a boolean is no number, but
-    ``0.0`` is ``0``)."""
-    return value is None or any(type(value) is type(a) and value == a for a in allowed if a is not None) or (
-        type(value) is float and any(type(a) is int and value == a for a in allowed))
-
-
-def _number(body: dict, key: str, default, lo, hi, kind=float):
-    v = body.get(key, default)
-    if v is None:
-        return default
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else isinstance(v, int) and not isinstance(v, bool)
-    if not ok or not lo <= v <= hi:
-        raise APIError(422, f"'{key}' must be {'a number' if kind is float else 'an integer'} in [{lo}, {hi}], not {v!r}",
-                       param=key)
-    return v
-
-
-def sampling_from(body: dict, limits: Limits, prompt_tokens: int, context: int | None) -> tuple[SamplingParams, list[str]]:
-    """The request's sampling fields as :class:`SamplingParams` and its stop strings; an
-    :class:`APIError` (422 malformed, 400 beyond a limit) otherwise."""
-    for key, allowed in _NEUTRAL.items():
-        if key in body and not _neutral(body[key], allowed):
-            raise APIError(422, f"'{key}' is not supported by this server (send it unset or {allowed[1]!r})", param=key)
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):
-        raise APIError(422, "'n' must be 1: this server returns one choice per prompt", param="n")
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:  # an explicit null is as good as absent
-        max_tokens = body.get("max_tokens")
-    if max_tokens is None:  # OpenAI's defaults: 16 for a completion, up to the context for a chat
-        room = limits.max_tokens if context is None else max(1, min(limits.max_tokens, context - prompt_tokens))
-        max_tokens = min(16, room) if "messages" not in body else room
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise APIError(422, f"'max_tokens' must be a positive integer, not {max_tokens!r}", param="max_tokens")
-    if max_tokens > limits.max_tokens:
-        raise APIError(400, f"'max_tokens' is {max_tokens}, beyond this server's limit of {limits.max_tokens}",
-                       param="max_tokens", code="max_tokens_exceeded")
-    if limits.max_prompt_tokens is not None and prompt_tokens > limits.max_prompt_tokens:
-        raise APIError(400, f"the prompt is {prompt_tokens} tokens, beyond this server's limit of {limits.max_prompt_tokens}",
-                       param="prompt", code="context_length_exceeded")
-    if context is not None and prompt_tokens + max_tokens > context:
-        raise APIError(400, f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is beyond the model's "
-                       f"context of {context} tokens: shorten the prompt or lower max_tokens", param="max_tokens",
-                       code="context_length_exceeded")
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0:
-        raise APIError(422, "'top_p' must be above 0", param="top_p")
-    top_k = _number(body, "top_k", 0, -1, 1 << 20, kind=int)
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not -(1 << 63) <= seed <= MAX_SEED):
-        raise APIError(422, f"'seed' must be an integer, not {seed!r}", param="seed")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is None:
-        stop = []
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
-        raise APIError(422, "'stop' must be a string or a list of up to 4 strings", param="stop")
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                            top_k=max(0, int(top_k)), seed=None if seed is None else seed % (MAX_SEED + 1))
-    return params, [s for s in stop if s]
-
-
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-def chat_turns(messages) -> list[dict]:
-    """OpenAI chat ``messages`` as ``[{role, content}]`` for the chat template: roles system,
-    developer (OpenAI's name for system), user and assistant; content a string or a list of text
-    parts (``{"type": "text", "text": ...}``, joined by newlines). An :class:`APIError` (422) names
-    what else was sent."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(422, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-    turns = []
-    for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in _ROLES:
-            raise APIError(422, f"messages[{i}]: 'role' must be system, developer, user or assistant, not {role!r:.40}",
-                           param="messages")
-        content = m.get("content")
-        if isinstance(content, list) and content and all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            content = "\n".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(422, f"messages[{i}]: 'content' must be a string or a list of text parts "
-                                "({\"type\": \"text\", \"text\": ...}); this server reads text only", param="messages")
-        turns.append({"role": _ROLES[role], "content": content})
-    return turns
-
-
-def parse_body(raw: bytes) -> dict:
-    """A request body as a JSON object, or an :class:`APIError`: 400 for what is not JSON (nested
-    too deeply for the parser included), 422 for JSON that is not an object."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON") from None
-    except RecursionError:
-        raise APIError(400, "the request body is not valid JSON here: it is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise APIError(422, "the request body must be a JSON object")
-    return data
-
-
-def check_content_type(headers) -> None:
-    """POST bodies must say they are JSON (a page's ``text/plain`` form post is no API call): 415."""
-    kind = (headers.get("content-type") or "").split(";")[0].strip().lower()
-    if kind != "application/json":
-        raise APIError(415, f"Content-Type must be application/json, not {kind or 'missing'!r:.60} "
-                            "(curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
-
-
 async def read_json(request, limits: Limits) -> dict:
     """The request's body as a JSON object, read within ``limits.read_timeout_s`` (408 beyond) and
     ``limits.max_body_bytes`` (413 beyond); a client that leaves mid-body is a :class:`Gone`."""
@@ -429,85 +296,122 @@ class Gone(Exception):
 DISCONNECT_CHECK_S = 0.25
 
 
-def finish_reason(engine_reason: str | None, stop_string: bool) -> str:
-    """OpenAI's ``finish_reason`` for a request that ended for ``engine_reason`` (``eos``, ``stop``,
-    ``length``; None: cut short, by a shutdown) with a stop string in its text or not."""
-    if stop_string or engine_reason in ("eos", "stop"):
-        return "stop"
-    return "length" if engine_reason == "length" else "abort"
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """``text`` up to (not including) the first stop string in it, and whether one was found."""
-    hits = [text.find(s) for s in stop if s in text]
-    return (text[: min(hits)], True) if hits else (text, False)
-
-
-class _Text:
-    """A request's output as text: complete characters, held back while a stop string may be
-    starting, cut before the stop string (as OpenAI's API does)."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.decoder, self.stop = StreamDecoder(tokenizer), stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text, self.sent, self.done = "", 0, False
-
-    def push(self, token_ids: list[int], final: bool) -> str:
-        """The new text that can be sent now."""
-        if self.done:
-            return ""
-        self.text += self.decoder.push(token_ids)
-        if final:
-            self.text += self.decoder.flush()
-        cut, found = _cut_at_stop(self.text, self.stop)
-        if found or final:
-            self.done = True
-            out = cut[self.sent :]
-            self.sent = len(cut)
-            return out
-        upto = max(self.sent, len(self.text) - self.hold)
-        out = self.text[self.sent : upto]
-        self.sent = upto
-        return out
-
-
 # --------------------------------------------------------------------------------------------
 # the app
 # --------------------------------------------------------------------------------------------
 
 
-def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: str = "auto", host: str | None = None):
-    """The FastAPI app serving ``model`` with ``drafter`` (see the module docstring). Its engine
-    loop starts with the app (lifespan) and stops with it. ``host``: the address it is served on;
-    on a loopback address, requests naming another ``Host`` are refused (DNS rebinding)."""
-    from contextlib import asynccontextmanager
+class _Handlers:
+    """The generation endpoints of one app: a request is read, checked and queued
+    (:meth:`admit`), then answered whole (:meth:`whole`) or streamed (:meth:`stream`) from the
+    chunks the engine loop hands it (:meth:`chunks`)."""
 
-    from fastapi import FastAPI
-    from fastapi import Request as HTTPRequest
+    def __init__(self, loop_: EngineLoop, metrics: Metrics, tokenizer, name: str, limits: Limits, context: int | None):
+        self.loop, self.metrics, self.tokenizer, self.name = loop_, metrics, tokenizer, name
+        self.limits, self.context = limits, context
+
+    async def generate(self, request, chat: bool):
+        """``POST /v1/completions`` (``chat`` False) or ``/v1/chat/completions``."""
+        from fastapi.responses import StreamingResponse
+
+        body = await read_json(request, self.limits)
+        protocol.check_model(body, self.name)
+        ids = await asyncio.to_thread(protocol.encode_request, self.tokenizer, body, chat)
+        if not ids:
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        params, stop = protocol.sampling_from(body, self.limits, len(ids), self.context)
+        stream, include_usage = protocol.stream_options(body)
+        req = Request(ids, params, stop, asyncio.get_running_loop())
+        self.loop.submit(req)
+        self.metrics.prompt_tokens.inc(len(ids))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if not stream:
+            return await self.whole(request, req, rid, chat)
+        return StreamingResponse(self.stream(request, req, rid, chat, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def chunks(self, request, req: Request):
+        """``req``'s chunks until its last (an APIError is raised; a client that left, at most
+        ``DISCONNECT_CHECK_S`` ago, is a :class:`Gone`)."""
+        deadline, checked = req.arrived + self.limits.timeout_s, time.perf_counter()
+        while True:
+            now = time.perf_counter()
+            left = deadline - now
+            if left <= 0:
+                raise APIError(408, f"the request took longer than this server's limit of {self.limits.timeout_s:g} s",
+                               "timeout_error", code="timeout")
+            if now - checked >= DISCONNECT_CHECK_S:
+                checked = now
+                if await request.is_disconnected():
+                    raise Gone
+            try:
+                item = await asyncio.wait_for(req.queue.get(), timeout=min(left, DISCONNECT_CHECK_S))
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(item, APIError):
+                raise item
+            yield item
+            if item.stats is None or item.stats.finish_reason:
+                return
+
+    def pieces(self, request, req: Request):
+        """``(new text, finish_reason or None, tokens so far)`` per chunk of ``req``."""
+        text = protocol.StreamText(self.tokenizer, req.stop)
+        n_tokens = 0
+
+        async def gen():
+            nonlocal n_tokens
+            async for chunk in self.chunks(request, req):
+                n_tokens += len(chunk.token_ids)
+                new = text.push(chunk.token_ids, chunk.stats is None or bool(chunk.stats.finish_reason))
+                reason = None
+                if text.done:
+                    reason = protocol.finish_reason(chunk.stats.finish_reason if chunk.stats else None,
+                                                    protocol.cut_at_stop(text.text, req.stop)[1])
+                yield new, reason, n_tokens
+        return gen()
+
+    async def whole(self, request, req: Request, rid: str, chat: bool) -> dict:
+        out, last = [], ("", None, 0)
+        try:
+            async for last in self.pieces(request, req):
+                out.append(last[0])
+        except BaseException:
+            self.loop.cancel(req)
+            raise
+        self.metrics.requests.labels(request.url.path, "200").inc()
+        return protocol.completion_body(rid, chat, self.name, "".join(out), last[1], protocol.usage(len(req.ids), last[2]))
+
+    async def stream(self, request, req: Request, rid: str, chat: bool, include_usage: bool):
+        finished, n_tokens = False, 0
+        try:
+            if chat:
+                yield protocol.chunk_event(rid, chat, self.name, None, None, first=True, include_usage=include_usage)
+            async for new, reason, count in self.pieces(request, req):
+                n_tokens = count
+                if new or reason:
+                    yield protocol.chunk_event(rid, chat, self.name, new, reason, include_usage=include_usage)
+            if include_usage:
+                yield protocol.usage_event(rid, chat, self.name, protocol.usage(len(req.ids), n_tokens))
+            yield protocol.SSE_DONE
+            finished = True
+            self.metrics.requests.labels(request.url.path, "200").inc()
+        except APIError as e:
+            self.metrics.requests.labels(request.url.path, str(e.status)).inc()
+            yield protocol.sse(e.body())
+        except Gone:
+            pass  # nobody to answer
+        finally:
+            if not finished:
+                self.loop.cancel(req)  # the client went away (or an error): free the row
+
+
+def _error_handlers(app, metrics: Metrics) -> None:
+    """Every error an OpenAI-style JSON body: refusals, validation, unknown routes, a client gone
+    (no answer, no log), and anything unexpected (a 500 naming the exception type only)."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    from ..core.engine import check_prompt_ids
-    from ..core.text import eos_ids
-    from ..core.verifier import Verifier, context_length
-
-    verifier = Verifier(model, linear=linear)
-    engine = Engine(verifier, drafter, max_rows=limits.max_rows, spawn=True, join_wait=limits.join_wait)
-    metrics = Metrics()
-    eos = eos_ids(model, tokenizer)
-    loop_ = EngineLoop(engine, eos, tokenizer, limits, metrics)
-    context = context_length(model.config)
-    created = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app):
-        loop_.start()
-        yield
-        await asyncio.to_thread(loop_.stop, limits.shutdown_timeout_s)
-
-    app = FastAPI(title="specheads", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.engine_loop = loop_
 
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -531,174 +435,54 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: s
         return error(APIError(e.status_code, msg, "invalid_request_error" if e.status_code < 500 else "server_error"))
 
     @app.exception_handler(Gone)
-    async def _gone(request, e: Gone):  # the client left: the answer goes nowhere, nothing is logged
+    async def _gone(request, e: Gone):
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):  # never a traceback to the client
         return error(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
+
+def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: str = "auto", host: str | None = None):
+    """The FastAPI app serving ``model`` with ``drafter`` (see the module docstring). Its engine
+    loop starts with the app (lifespan) and stops with it. ``host``: the address it is served on;
+    on a loopback address, requests naming another ``Host`` are refused (DNS rebinding)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import Response
+
+    from ..core.text import eos_ids
+    from ..core.verifier import Verifier, context_length
+
+    engine = Engine(Verifier(model, linear=linear), drafter, max_rows=limits.max_rows, spawn=True,
+                    join_wait=limits.join_wait)
+    metrics = Metrics()
+    loop_ = EngineLoop(engine, eos_ids(model, tokenizer), tokenizer, limits, metrics)
+    handlers = _Handlers(loop_, metrics, tokenizer, name, limits, context_length(model.config))
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop_.start()
+        yield
+        await asyncio.to_thread(loop_.stop, limits.shutdown_timeout_s)
+
+    app = FastAPI(title="specheads", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine_loop = loop_
+    _error_handlers(app, metrics)
     app.add_middleware(_Gate, limits=limits, hosts=loopback_names(host))
-
-    def check_model(body: dict) -> None:
-        m = body.get("model")
-        if m is not None and m != name:
-            raise APIError(404, f"the model {m!r} does not exist: this server serves {name!r}", code="model_not_found",
-                           param="model")
-
-    def encode(body: dict, chat: bool) -> list[int]:
-        from ..core.text import check_text, encode_prompt
-
-        if chat:
-            turns = chat_turns(body.get("messages"))
-            try:
-                for t in turns:
-                    check_text(t["content"], "a message")
-                ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
-            except UserError as e:
-                raise APIError(400, str(e), param="messages") from None
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            try:
-                return check_prompt_ids(prompt).tolist()
-            except UserError as e:
-                raise APIError(422, str(e), param="prompt") from None
-        if not isinstance(prompt, str):
-            raise APIError(422, "'prompt' must be a string (or one list of token ids)", param="prompt")
-        try:
-            return encode_prompt(tokenizer, prompt, chat=False).tolist()
-        except UserError as e:
-            raise APIError(400, str(e), param="prompt") from None
-
-    async def generate(request: HTTPRequest, chat: bool):
-        endpoint = request.url.path
-        body = await read_json(request, limits)
-        check_model(body)
-        ids = await asyncio.to_thread(encode, body, chat)
-        if not ids:
-            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-        params, stop = sampling_from(body, limits, len(ids), context)
-        stream_ = body.get("stream", False)
-        if not isinstance(stream_, bool):
-            raise APIError(422, "'stream' must be true or false", param="stream")
-        opts = body.get("stream_options") or {}
-        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-        req = Request(ids, params, stop, asyncio.get_running_loop())
-        loop_.submit(req)
-        metrics.prompt_tokens.inc(len(ids))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        text = _Text(tokenizer, stop)
-        deadline = req.arrived + limits.timeout_s
-
-        async def chunks():
-            """The request's chunks until its last (an APIError is raised; a client that left, at
-            most ``DISCONNECT_CHECK_S`` ago, is a :class:`Gone`)."""
-            checked = time.perf_counter()
-            while True:
-                now = time.perf_counter()
-                left = deadline - now
-                if left <= 0:
-                    raise APIError(408, f"the request took longer than this server's limit of {limits.timeout_s:g} s",
-                                   "timeout_error", code="timeout")
-                if now - checked >= DISCONNECT_CHECK_S:
-                    checked = now
-                    if await request.is_disconnected():
-                        raise Gone
-                try:
-                    item = await asyncio.wait_for(req.queue.get(), timeout=min(left, DISCONNECT_CHECK_S))
-                except asyncio.TimeoutError:
-                    continue
-                if isinstance(item, APIError):
-                    raise item
-                yield item
-                if item.stats is None or item.stats.finish_reason:
-                    return
-
-        def piece(chunk: Chunk) -> tuple[str, str | None]:
-            final = chunk.stats is None or bool(chunk.stats.finish_reason)
-            new = text.push(chunk.token_ids, final)
-            reason = None
-            if text.done:
-                reason = finish_reason(chunk.stats.finish_reason if chunk.stats else None, _cut_at_stop(text.text, stop)[1])
-            return new, reason
-
-        def usage(completion: int) -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
-
-        if not stream_:
-            out, reason, n_tokens = [], None, 0
-            try:
-                async for chunk in chunks():
-                    n_tokens += len(chunk.token_ids)
-                    new, reason = piece(chunk)
-                    out.append(new)
-            except BaseException:
-                loop_.cancel(req)
-                raise
-            content = "".join(out)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                       "finish_reason": reason} if chat else
-                      {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
-            metrics.requests.labels(endpoint, "200").inc()
-            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                    "model": name, "choices": [choice], "usage": usage(n_tokens)}
-
-        def event(delta_text: str | None, reason: str | None, first: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": delta_text} if delta_text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-                obj = "chat.completion.chunk"
-            else:
-                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": reason}
-                obj = "text_completion"
-            data = {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice]}
-            if include_usage:
-                data["usage"] = None
-            return f"data: {json.dumps(data)}\n\n"
-
-        async def sse():
-            n_tokens = 0
-            finished = False
-            try:
-                if chat:
-                    yield event(None, None, first=True)
-                async for chunk in chunks():
-                    n_tokens += len(chunk.token_ids)
-                    new, reason = piece(chunk)
-                    if new or reason:
-                        yield event(new, reason)
-                if include_usage:
-                    data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": int(time.time()), "model": name, "choices": [], "usage": usage(n_tokens)}
-                    yield f"data: {json.dumps(data)}\n\n"
-                yield "data: [DONE]\n\n"
-                finished = True
-                metrics.requests.labels(endpoint, "200").inc()
-            except APIError as e:
-                metrics.requests.labels(endpoint, str(e.status)).inc()
-                yield f"data: {json.dumps(e.body())}\n\n"
-            except Gone:
-                pass  # nobody to answer
-            finally:
-                if not finished:
-                    loop_.cancel(req)  # the client went away (or an error): free the row
-
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        return await generate(request, chat=False)
+        return await handlers.generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(400, f"the model {name!r} has no chat template: use /v1/completions")
-        return await generate(request, chat=True)
+        return await handlers.generate(request, chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -874,28 +658,29 @@ def add_parser(sub, add_common, add_placement) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (/v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /metrics)")
     add_common(s)
+    d = Limits()  # the one source of the limits' defaults
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists (default: --verifier)")
-    s.add_argument("--max-seqs", type=int, default=16, help="sequences decoded at once (the batch)")
-    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a free sequence; one more gets 429")
-    s.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: the model's context)")
-    s.add_argument("--max-tokens", type=int, default=1024, help="most completion tokens one request may ask for")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
-    s.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take (408 beyond)")
-    s.add_argument("--join-wait", type=int, default=4,
+    s.add_argument("--max-seqs", type=int, default=d.max_rows, help="sequences decoded at once (the batch)")
+    s.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting for a free sequence; one more gets 429")
+    s.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longest prompt (default: the model's context)")
+    s.add_argument("--max-tokens", type=int, default=d.max_tokens, help="most completion tokens one request may ask for")
+    s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (413 beyond)")
+    s.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds one request may take (408 beyond)")
+    s.add_argument("--join-wait", type=int, default=d.join_wait,
                    help="steps queued requests may wait, with a sequence free, for a running one that reaches its token "
                         "limit within them, so that they are prefilled in one pass (0: join at the next step)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+    s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM: seconds for running requests to finish before they are cut (finish_reason abort)")
-    s.add_argument("--max-connections", type=int, default=1024,
+    s.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="HTTP requests open at once, reading, queued or decoding (503 beyond; at least --max-queue + "
                         "--max-seqs: requests beyond the queue get 429)")
-    s.add_argument("--read-timeout", type=float, default=10.0,
+    s.add_argument("--read-timeout", type=float, default=d.read_timeout_s,
                    help="seconds for a request's head and body to arrive (beyond: the connection is closed, or 408)")
 
 
-def cmd_serve(args, load, drafter_for, tree_for) -> int:
+def cmd_serve(args) -> int:
     """``specheads serve``: every argument checked before the model loads (exit 2 otherwise)."""
     try:
         import fastapi  # noqa: F401
@@ -909,9 +694,12 @@ def cmd_serve(args, load, drafter_for, tree_for) -> int:
                     max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout,
                     shutdown_timeout_s=args.shutdown_timeout, join_wait=args.join_wait,
                     max_connections=args.max_connections, read_timeout_s=args.read_timeout)
-    _check_port_free(args.host, args.port)
+    from .load import check_drafts, drafter_for, tree_for, verifier_for
+
     tree = tree_for(args)
-    lv = load(args, "serve needs a tokenizer (random shapes without one cannot take text)")
+    check_drafts(args.draft, trees=[tree])
+    _check_port_free(args.host, args.port)
+    lv = verifier_for(args, "serve needs a tokenizer (random shapes without one cannot take text)")
     drafter = drafter_for(args, args.draft, lv.model, tree)
     name = args.model_name or args.verifier
     app = build_app(lv.model, lv.tokenizer, drafter, name=name, limits=limits, linear=args.linear, host=args.host)
