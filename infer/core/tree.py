@@ -422,81 +422,107 @@ def grow_dynamic_tree(
     depth = spec.depth if max_depth is None else min(spec.depth, max_depth)
     if device is None:
         device = root_token.device if isinstance(root_token, torch.Tensor) else torch.device("cpu")
-    k_max = spec.top_k
-    capacity = 1 + depth * k_max * k_max
-    tok = torch.zeros(capacity, dtype=torch.long, device=device)
-    par = torch.full((capacity,), -1, dtype=torch.long, device=device)
-    dep = torch.zeros(capacity, dtype=torch.long, device=device)
-    raw = torch.zeros(capacity, device=device)  # cumulative draft log-probability
-    key = torch.zeros(capacity, device=device)  # calibrated: what nodes are chosen by
-    anc = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
-    if isinstance(root_token, torch.Tensor):
-        tok[0] = root_token.to(device, non_blocking=True).reshape(())
-    else:
-        tok[0] = int(root_token)  # a fill: no copy
-    anc[0, 0] = True
+    c = _Candidates.new(root_token, 1 + depth * spec.top_k * spec.top_k, device)
     table = cost_table(cost, spec.num_nodes + 1, device) if cost is not None else None
     frontier = torch.zeros(1, dtype=torch.long, device=device)
-    m = 1  # candidates so far (host int: every size below is known without reading the device)
-
-    def selection():
-        """The best nodes overall (ties broken by creation order so parents come first), and the
-        budget's read-out, packed: ``[n, root token, ids, tokens, parents, depths]``."""
-        order = torch.sort(key[1:m], descending=True, stable=True).indices[: spec.num_nodes - 1] + 1  # [L]
-        size = order.numel()
-        budget = _budget(key[order].exp(), table).view(1) if table is not None and size else order.new_full((1,), size + 1)
-        return order, torch.cat([budget, tok[:1], order, tok[order], par[order], dep[order]])
-
     host = None  # the read-out, once read
     for d in range(depth):
         if prune and d > 0:
             # one read per depth: whether deeper nodes can still pay, together with the tree as
             # it stands (which is the result when they cannot)
-            order, packed = selection()
-            can_pay = _deeper_can_pay(key[1:m], key[frontier].max(), spec.num_nodes, table)
+            order, packed = c.selection(spec.num_nodes, table)
+            can_pay = _deeper_can_pay(c.key[1 : c.m], c.key[frontier].max(), spec.num_nodes, table)
             got = torch.cat([can_pay.view(1).long(), packed]).tolist()
             if not got[0]:
                 host = got[1:]
                 break
-        logp = expand(frontier, par[frontier], tok[frontier]).float()  # [k, Vd]
-        kids = min(k_max, logp.shape[-1])
-        child_lp, child_tok = torch.topk(logp, kids, dim=-1)  # [k, kids], best first
-        if vocab_map is not None:
-            child_tok = vocab_map[child_tok]
-        count = frontier.numel() * kids
-        new = torch.arange(m, m + count, device=device)
-        parent = frontier.repeat_interleave(kids)
-        tok[m : m + count] = child_tok.reshape(-1)
-        par[m : m + count] = parent
-        dep[m : m + count] = d + 1
-        raw[m : m + count] = (raw[frontier][:, None] + child_lp).reshape(-1)
-        step = child_lp if log_scale is None else (child_lp + log_scale[d]).clamp(max=0.0)
-        key[m : m + count] = (key[frontier][:, None] + step).reshape(-1)
-        anc[m : m + count] = anc[parent]
-        anc[new, new] = True
-        frontier = new[torch.sort(key[m : m + count], descending=True, stable=True).indices[:k_max]]
-        m += count
+        logp = expand(frontier, c.par[frontier], c.tok[frontier]).float()  # [k, Vd]
+        frontier = c.expand(frontier, logp, d, spec.top_k, vocab_map, log_scale)
     if host is None:
-        order, packed = selection()
+        order, packed = c.selection(spec.num_nodes, table)
         if order.numel() == 0 and not isinstance(root_token, torch.Tensor):
             host = [1, int(root_token)]  # nothing drafted: nothing to read
         else:
             # the one read of the budget: the node count and the candidates' ids, tokens, parents
             # and depths, from which the host knows the whole tree (for merging, gating, its shape)
             host = packed.tolist()
-    size = order.numel()
-    n, root_tok = host[0], host[1]
-    ids, toks, pars, deps = (host[2 + i * size : 2 + (i + 1) * size] for i in range(4))
-    kept_h = sorted(range(n - 1), key=lambda j: (deps[j], ids[j]))  # topological: by depth, then creation
-    index_h = {0: 0} | {ids[j]: i + 1 for i, j in enumerate(kept_h)}
-    host_tokens = [root_tok] + [toks[j] for j in kept_h]
-    host_parents = [-1] + [index_h[pars[j]] for j in kept_h]
-    max_d = max((deps[j] for j in kept_h), default=0)
-    kept = order[: n - 1]
-    kept = kept[torch.argsort(dep[kept] * m + kept)]  # topological: by depth, then creation
-    nodes = torch.cat([kept.new_zeros(1), kept])
-    index = torch.zeros(m, dtype=torch.long, device=device).index_copy_(0, nodes, torch.arange(n, device=device))
-    parents = torch.where(par[nodes] >= 0, index[par[nodes].clamp(min=0)], -1)
-    tree = Tree(parents, dep[nodes], anc[nodes][:, nodes], max_depth=max_d, width=k_max if n > 1 else 0)
-    return DynamicTree(tokens=tok[nodes], parents=parents, scores=raw[nodes], keys=key[nodes], tree=tree,
-                       host_tokens=tuple(host_tokens), host_parents=tuple(host_parents))
+    return c.kept_tree(order, host, spec.top_k)
+
+
+@dataclass
+class _Candidates:
+    """The nodes an EAGLE-2 tree is chosen from, in preallocated buffers on the drafting device
+    (``C`` = capacity): tokens, parents, depths, cumulative draft log-probabilities (``raw``),
+    calibrated keys (what nodes are chosen by) and the ancestor mask; ``m`` of them exist (a host
+    int: every size is known without reading the device). Node 0 is the root."""
+
+    tok: torch.Tensor  # [C] long
+    par: torch.Tensor  # [C] long, -1 at the root
+    dep: torch.Tensor  # [C] long
+    raw: torch.Tensor  # [C] float
+    key: torch.Tensor  # [C] float
+    anc: torch.Tensor  # [C, C] bool
+    m: int = 1
+
+    @classmethod
+    def new(cls, root_token, capacity: int, device) -> _Candidates:
+        tok = torch.zeros(capacity, dtype=torch.long, device=device)
+        if isinstance(root_token, torch.Tensor):
+            tok[0] = root_token.to(device, non_blocking=True).reshape(())
+        else:
+            tok[0] = int(root_token)  # a fill: no copy
+        anc = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
+        anc[0, 0] = True
+        return cls(tok, torch.full((capacity,), -1, dtype=torch.long, device=device),
+                   torch.zeros(capacity, dtype=torch.long, device=device), torch.zeros(capacity, device=device),
+                   torch.zeros(capacity, device=device), anc)
+
+    def expand(self, frontier: torch.Tensor, logp: torch.Tensor, d: int, k_max: int, vocab_map, log_scale) -> torch.Tensor:
+        """Add the ``top_k`` best children of each ``frontier [k]`` node (``logp [k, Vd]``, at depth
+        ``d``); returns the next frontier: the ``k_max`` best new nodes by key."""
+        kids = min(k_max, logp.shape[-1])
+        child_lp, child_tok = torch.topk(logp, kids, dim=-1)  # [k, kids], best first
+        if vocab_map is not None:
+            child_tok = vocab_map[child_tok]
+        m, count = self.m, frontier.numel() * kids
+        new = torch.arange(m, m + count, device=self.tok.device)
+        parent = frontier.repeat_interleave(kids)
+        self.tok[m : m + count] = child_tok.reshape(-1)
+        self.par[m : m + count] = parent
+        self.dep[m : m + count] = d + 1
+        self.raw[m : m + count] = (self.raw[frontier][:, None] + child_lp).reshape(-1)
+        step = child_lp if log_scale is None else (child_lp + log_scale[d]).clamp(max=0.0)
+        self.key[m : m + count] = (self.key[frontier][:, None] + step).reshape(-1)
+        self.anc[m : m + count] = self.anc[parent]
+        self.anc[new, new] = True
+        self.m += count
+        return new[torch.sort(self.key[m : m + count], descending=True, stable=True).indices[:k_max]]
+
+    def selection(self, num_nodes: int, table) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best nodes overall ``[L]`` (ties broken by creation order so parents come first),
+        and the budget's read-out, packed: ``[n, root token, ids, tokens, parents, depths]``."""
+        order = torch.sort(self.key[1 : self.m], descending=True, stable=True).indices[: num_nodes - 1] + 1
+        size = order.numel()
+        budget = _budget(self.key[order].exp(), table).view(1) if table is not None and size else order.new_full((1,), size + 1)
+        return order, torch.cat([budget, self.tok[:1], order, self.tok[order], self.par[order], self.dep[order]])
+
+    def kept_tree(self, order: torch.Tensor, host: list[int], k_max: int) -> DynamicTree:
+        """The tree of the first ``host[0] - 1`` nodes of ``order`` (and the root), on the device and,
+        from the read-out ``host``, on the host."""
+        size = order.numel()
+        n, root_tok = host[0], host[1]
+        ids, toks, pars, deps = (host[2 + i * size : 2 + (i + 1) * size] for i in range(4))
+        kept_h = sorted(range(n - 1), key=lambda j: (deps[j], ids[j]))  # topological: by depth, then creation
+        index_h = {0: 0} | {ids[j]: i + 1 for i, j in enumerate(kept_h)}
+        host_tokens = [root_tok] + [toks[j] for j in kept_h]
+        host_parents = [-1] + [index_h[pars[j]] for j in kept_h]
+        max_d = max((deps[j] for j in kept_h), default=0)
+        kept = order[: n - 1]
+        kept = kept[torch.argsort(self.dep[kept] * self.m + kept)]  # topological: by depth, then creation
+        nodes = torch.cat([kept.new_zeros(1), kept])
+        device = self.tok.device
+        index = torch.zeros(self.m, dtype=torch.long, device=device).index_copy_(0, nodes, torch.arange(n, device=device))
+        parents = torch.where(self.par[nodes] >= 0, index[self.par[nodes].clamp(min=0)], -1)
+        tree = Tree(parents, self.dep[nodes], self.anc[nodes][:, nodes], max_depth=max_d, width=k_max if n > 1 else 0)
+        return DynamicTree(tokens=self.tok[nodes], parents=parents, scores=self.raw[nodes], keys=self.key[nodes], tree=tree,
+                           host_tokens=tuple(host_tokens), host_parents=tuple(host_parents))
