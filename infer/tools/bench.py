@@ -100,50 +100,14 @@ def run_bench(
     also gets a ``vanilla[<kernel>]`` row, HF ``generate`` on that kernel, and each speculative
     method's ``speedup_same_kernel`` is its speed over HF's on its own kernel: ``speedup`` is what
     users see against stock HF, ``speedup_same_kernel`` what speculation alone adds."""
-    from tqdm.auto import tqdm
 
     from ..core.text import encode_prompt, eos_ids
 
     check_methods(methods, temperature)
     eos = eos_ids(model, tokenizer)
     drafters = drafter if isinstance(drafter, dict) else {"": drafter}
-    kernels = kernels or {}
-    verifiers = {k: Verifier(model, linear=k) for k in {kernels.get(label, "auto") for label in drafters}}
-    sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
-
-    def vanilla(ids, kernel="stock"):
-        torch.manual_seed(seed)
-        with kernel_context(kernel):
-            return hf_generate(model, ids, max_new_tokens, eos, **sample), None
-
-    runners = {
-        "vanilla": vanilla,
-        "hf-pld": lambda ids: (hf_generate(model, ids, max_new_tokens, eos, prompt_lookup_num_tokens=pld_tokens), None),
-    }
-    expanded = []
-    drafter_of = {}  # spec method -> its drafter, whose learnt state each row records
-    baseline_of = {}  # spec method -> the vanilla row on its own kernel
-    # hybrid's baseline is stock HF: its one-token passes run on the stock kernel, as HF generate's decoding does
-    engine_kernels = sorted({verifiers[kernels.get(label, "auto")].kernel for label in drafters} - {"stock", "hybrid"}) \
-        if "spec" in methods else []
-    for m in methods:
-        if m == "vanilla":
-            expanded.append(m)
-            for k in engine_kernels:  # HF generate on the engine's kernel: the fair baseline of speculation
-                runners[f"vanilla[{k}]"] = lambda ids, k=k: vanilla(ids, k)
-                expanded.append(f"vanilla[{k}]")
-            continue
-        if m != "spec":
-            expanded.append(m)
-            continue
-        for label, d in drafters.items():
-            name = f"spec:{label}" if len(drafters) > 1 else "spec"
-            v = verifiers[kernels.get(label, "auto")]
-            runners[name] = lambda ids, d=d, v=v: _spec(v, d, ids, max_new_tokens, eos, tree, temperature, seed)
-            drafter_of[name] = d
-            baseline_of[name] = "vanilla" if v.kernel in ("stock", "hybrid") else f"vanilla[{v.kernel}]"
-            expanded.append(name)
-    methods = tuple(expanded)
+    run = _Methods(model, drafters, kernels or {}, eos, max_new_tokens, tree, temperature, seed, pld_tokens)
+    methods = run.expand(methods)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
     for i, ids in enumerate(encoded):  # before any method runs (HF would run a million tokens first)
         check_fits(model.config, ids.numel() + max_new_tokens, f"prompt {i + 1} plus max_new_tokens")
@@ -153,32 +117,90 @@ def run_bench(
         for i, row in enumerate(rows):
             if row.get("prompt") != prompts[i].text[:200] or row.get("category") != prompts[i].category:
                 raise UserError(f"{partial}: its prompt {i + 1} is not this run's: remove the file to start over")
+    _measure(model, run, methods, prompts, encoded, rows, log, progress)
+    summary = summarize(rows, methods, compare=temperature == 0)
+    add_same_kernel_speedups(summary, run.baseline_of)
+    return {"methods": summary, "baselines": run.baseline_of, "per_prompt": rows}
+
+
+class _Methods:
+    """The methods a benchmark runs, each a function of the prompt ids -> ``(tokens, stats or
+    None)`` in ``runners``: HF ``generate`` (``vanilla``, on each engine kernel too), HF's prompt
+    lookup, and one speculative method per drafter (``drafter_of``, ``baseline_of``: its vanilla row)."""
+
+    def __init__(self, model, drafters: dict, kernels: dict, eos, max_new_tokens, tree, temperature, seed, pld_tokens):
+        self.model, self.drafters, self.kernels, self.eos = model, drafters, kernels, eos
+        self.max_new_tokens, self.tree, self.temperature, self.seed = max_new_tokens, tree, temperature, seed
+        self.verifiers = {k: Verifier(model, linear=k) for k in {kernels.get(label, "auto") for label in drafters}}
+        self.sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
+        self.runners = {
+            "vanilla": self.vanilla,
+            "hf-pld": lambda ids: (hf_generate(model, ids, max_new_tokens, eos, prompt_lookup_num_tokens=pld_tokens), None),
+        }
+        self.drafter_of: dict = {}  # spec method -> its drafter, whose learnt state each row records
+        self.baseline_of: dict = {}  # spec method -> the vanilla row on its own kernel
+
+    def vanilla(self, ids, kernel="stock"):
+        torch.manual_seed(self.seed)
+        with kernel_context(kernel):
+            return hf_generate(self.model, ids, self.max_new_tokens, self.eos, **self.sample), None
+
+    def expand(self, methods) -> tuple[str, ...]:
+        """``methods`` as run: ``vanilla`` with a row per engine kernel, ``spec`` with one per drafter."""
+        drafters, kernels, verifiers = self.drafters, self.kernels, self.verifiers
+        expanded = []
+        # hybrid's baseline is stock HF: its one-token passes run on the stock kernel, as HF generate's decoding does
+        engine_kernels = sorted({verifiers[kernels.get(label, "auto")].kernel for label in drafters} - {"stock", "hybrid"}) \
+            if "spec" in methods else []
+        for m in methods:
+            if m == "vanilla":
+                expanded.append(m)
+                for k in engine_kernels:  # HF generate on the engine's kernel: the fair baseline of speculation
+                    self.runners[f"vanilla[{k}]"] = lambda ids, k=k: self.vanilla(ids, k)
+                    expanded.append(f"vanilla[{k}]")
+                continue
+            if m != "spec":
+                expanded.append(m)
+                continue
+            for label, d in drafters.items():
+                name = f"spec:{label}" if len(drafters) > 1 else "spec"
+                v = verifiers[kernels.get(label, "auto")]
+                self.runners[name] = lambda ids, d=d, v=v: _spec(v, d, ids, self.max_new_tokens, self.eos, self.tree,
+                                                                 self.temperature, self.seed)
+                self.drafter_of[name] = d
+                self.baseline_of[name] = "vanilla" if v.kernel in ("stock", "hybrid") else f"vanilla[{v.kernel}]"
+                expanded.append(name)
+        return tuple(expanded)
+
+
+def _measure(model, run: _Methods, methods, prompts, encoded, rows: list, log, progress: bool) -> None:
+    """Warm every method up, then time each on every prompt not in ``rows`` yet (appended to
+    ``rows`` and ``log`` as each prompt is done)."""
+    from tqdm.auto import tqdm
+
     counter = ForwardCounter(model)
     try:
         if len(rows) < len(prompts):
             for m in methods:  # warm-up
-                runners[m](encoded[0][:32])
+                run.runners[m](encoded[0][:32])
         todo = list(zip(prompts, encoded))[len(rows):]
         for prompt, ids in tqdm(todo, desc="bench", initial=len(rows), total=len(prompts), disable=not progress):
             row = {"category": prompt.category, "prompt": prompt.text[:200], "prompt_tokens": ids.numel()}
             for m in methods:
                 calls = counter.calls
                 t0 = time.perf_counter()
-                tokens, stats = runners[m](ids)
+                tokens, stats = run.runners[m](ids)
                 seconds = time.perf_counter() - t0
                 row[m] = {"tokens": tokens, "seconds": seconds, "passes": counter.calls - calls}
                 if stats is not None:
                     row[m].update(accepted_hist=stats.accepted_hist, nodes_hist=stats.nodes_hist,
                                   draft_s=stats.draft_s, verify_s=stats.verify_s, steps=stats.verify_steps,
-                                  drafter=drafter_of[m].state())
+                                  drafter=run.drafter_of[m].state())
             rows.append(row)
             if log:
                 log.append(row)
     finally:
         counter.close()
-    summary = summarize(rows, methods, compare=temperature == 0)
-    add_same_kernel_speedups(summary, baseline_of)
-    return {"methods": summary, "baselines": baseline_of, "per_prompt": rows}
 
 
 class PartialResults:
