@@ -48,7 +48,8 @@ def prompts_of_sources(prompts: list, sources: list[str]) -> list:
     return [q for q in prompts if record_source(q.id) in wanted]
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """``specheads distill``'s arguments (errors: one line, exit 2)."""
     p = argparse.ArgumentParser(prog="specheads distill", description="Generate the verifier's own responses to prompts.")
     p.error = lambda message: p.exit(2, f"specheads distill: error: {message}\n")  # one line, exit 2
     p.add_argument("--verifier", default="default")
@@ -70,7 +71,27 @@ def main(argv=None) -> int:
     p.add_argument("--write-header-only", action="store_true",
                    help="prepend the header record (this verifier and these settings) to an --out made before headers "
                         "existed, and stop (no --prompts; stop any run still writing it first)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _prompts(args) -> list:
+    """The prompts ``args`` select: read, shuffled, skipped, limited and filtered by source."""
+    from infer.core.errors import UserError
+    from train.datafile import DataError
+
+    try:
+        prompts = load_prompts(args.prompts, args.limit and args.skip + args.limit, args.seed, shuffle=args.shuffle)[args.skip:]
+    except DataError:
+        raise
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read prompts {args.prompts}: {e}") from None
+    if args.sources:
+        prompts = prompts_of_sources(prompts, [x.strip() for x in args.sources.split(",") if x.strip()])
+    return prompts
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if os.environ.get("SPECHEADS_DIE_WITH_PARENT"):  # run by `specheads distill`: end with it
         from infer.tools.procs import die_with_parent
 
@@ -100,17 +121,7 @@ def main(argv=None) -> int:
         check_output_file(args.out, "--out")
         check_output_name(out)
         resolve_device(args.device)
-        prompts = []
-        if not args.write_header_only:
-            try:
-                prompts = load_prompts(args.prompts, args.limit and args.skip + args.limit, args.seed,
-                                       shuffle=args.shuffle)[args.skip:]
-            except DataError:
-                raise
-            except (OSError, ValueError) as e:
-                raise UserError(f"cannot read prompts {args.prompts}: {e}") from None
-            if args.sources:
-                prompts = prompts_of_sources(prompts, [x.strip() for x in args.sources.split(",") if x.strip()])
+        prompts = [] if args.write_header_only else _prompts(args)
         lock = lock_file(out, f"--out {out}")  # held until this process ends
         scan = scan_output(out)  # a damaged file or one without a header: refused before loading
         if args.write_header_only and scan.header is not None:
