@@ -328,18 +328,37 @@ def slow_autocast_warning(device: torch.device, mixed_precision: str) -> str | N
 
 
 def _train(cfg: TrainConfig, held: list) -> dict:
+    """One training run (see :func:`train`), in its steps: the inputs checked, the verifier loaded,
+    the data distilled (``prompts:``) and read, the head, optimizer and resumed state built, then
+    an evaluation alone (``eval_only``) or the training loop and the trained head written."""
+    from infer.core.models import load_verifier
+
+    t_start = time.time()
+    accelerator = _accelerator(cfg)
+    prompts = _checked_inputs(cfg, accelerator, held)
+    keep_models_whole(accelerator)  # under ZeRO-3 too: the frozen verifier is not sharded
+    lv = load_verifier(cfg.verifier, device=accelerator.device)
+    model = lv.model.eval()
+    model.requires_grad_(False)
+    records, train_idx, eval_idx = _records(cfg, accelerator, lv, prompts)
+    run = _Run(cfg, accelerator, model, records, train_idx, eval_idx)
+    if cfg.eval_only:
+        return run.eval_only()
+    if run.loop():
+        return {"step": run.step, "interrupted": True, "history": run.history, "head": run.head, "verifier": run.verifier}
+    return run.finish(lv.tokenizer, t_start)
+
+
+def _accelerator(cfg: TrainConfig):
+    """The run's Accelerator (seeded; a warning where autocast is slow on this device)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from infer.core.models import load_verifier
-    from train.datafile import DataError, check_data_source, headerless_message, lock_dir, scan_output
-
-    out = Path(cfg.output_dir)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         mixed_precision=cfg.mixed_precision,
         log_with=cfg.log_with or None,
-        project_dir=str(out),
+        project_dir=str(Path(cfg.output_dir)),
         step_scheduler_with_optimizer=False,
         **accelerator_kwargs(),
     )
@@ -348,37 +367,47 @@ def _train(cfg: TrainConfig, held: list) -> dict:
     warning = slow_autocast_warning(accelerator.device, cfg.mixed_precision)
     if warning and accelerator.is_main_process:
         print(warning, file=sys.stderr)
-    t_start = time.time()
-    data_path = cfg.distilled_path
+    return accelerator
+
+
+def _checked_inputs(cfg: TrainConfig, accelerator, held: list):
+    """On the main process, before the verifier loads: the output directory locked (``held``), and
+    the prompts (returned) or the data checked; a ConfigError otherwise."""
+    from train.datafile import DataError, check_data_source, headerless_message, lock_dir, scan_output
+
     prompts = None
-    if accelerator.is_main_process:  # inputs checked before the verifier loads
-        try:
-            held.append(lock_dir(out))  # one run per output_dir: a second stops here
-            if cfg.prompts:
-                prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed, shuffle=cfg.shuffle_prompts)
-                scan = scan_output(data_path, repair=False)  # a damaged file, or one without a header: refused now
-                if scan.header is None and scan.records:
-                    raise DataError(headerless_message(data_path))
-            else:
-                check_data_source(data_path)  # parts of one verifier; a warning line for each without a header
-        except DataError as e:
-            raise ConfigError(str(e)) from None
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"cannot read prompts {cfg.prompts}: {e}") from None
-    keep_models_whole(accelerator)  # under ZeRO-3 too: the frozen verifier is not sharded
-    lv = load_verifier(cfg.verifier, device=accelerator.device)
-    model = lv.model.eval()
-    model.requires_grad_(False)
+    if not accelerator.is_main_process:
+        return prompts
+    data_path = cfg.distilled_path
+    try:
+        held.append(lock_dir(Path(cfg.output_dir)))  # one run per output_dir: a second stops here
+        if cfg.prompts:
+            prompts = load_prompts(cfg.prompts, cfg.max_prompts, cfg.seed, shuffle=cfg.shuffle_prompts)
+            scan = scan_output(data_path, repair=False)  # a damaged file, or one without a header: refused now
+            if scan.header is None and scan.records:
+                raise DataError(headerless_message(data_path))
+        else:
+            check_data_source(data_path)  # parts of one verifier; a warning line for each without a header
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot read prompts {cfg.prompts}: {e}") from None
+    return prompts
 
+
+def _records(cfg: TrainConfig, accelerator, lv, prompts) -> tuple[list, list[int], list[int]]:
+    """The training records (distilled first where ``prompts`` are given, on the main process),
+    checked against this verifier, and their train / eval split."""
+    from train.datafile import DataError, check_data_source
+
+    data_path = cfg.distilled_path
     if accelerator.is_main_process:
-        from heads import VerifierSpec
-
         try:
             if prompts is not None:  # appends to data_path: refused if another verifier or other settings made it
-                distill(model, lv.tokenizer, prompts, data_path, max_new_tokens=cfg.distill_max_new_tokens,
+                distill(lv.model, lv.tokenizer, prompts, data_path, max_new_tokens=cfg.distill_max_new_tokens,
                         batch_size=cfg.distill_batch_size, temperature=cfg.distill_temperature, seed=cfg.seed,
                         verifier_name=cfg.verifier)
-            check_data_source(data_path, dataclasses.asdict(VerifierSpec.of(model, cfg.verifier)), warn=lambda m: None)
+            check_data_source(data_path, dataclasses.asdict(VerifierSpec.of(lv.model, cfg.verifier)), warn=lambda m: None)
         except DataError as e:
             raise ConfigError(str(e)) from None
     accelerator.wait_for_everyone()
@@ -393,179 +422,225 @@ def _train(cfg: TrainConfig, held: list) -> dict:
         check_source_weights(cfg.source_weights, {records[i].source for i in train_idx})
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return records, train_idx, eval_idx
 
-    torch.manual_seed(cfg.seed)
-    head = build_draft_head(cfg, model, [records[i] for i in train_idx])
-    is_draft_model = cfg.head_type == "draft_model"
-    aux_layers = head.config.aux_layers if not is_draft_model and head.config.head_type in ("eagle3", "dflash") else ()
-    verifier = model
-    if cfg.head_type == "medusa2":
-        from peft import LoraConfig, get_peft_model
 
-        verifier = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    joint = Joint(cfg, head, verifier, trains_verifier=cfg.head_type == "medusa2")
-    params = [p for p in joint.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        optimizer = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+class _Run:
+    """A training run's state once its data is read: the head and (for Medusa-2) the adapted
+    verifier, prepared with their optimizer by the Accelerator, resumed from the last checkpoint
+    (``resume``), and what the loop needs: the epochs' orders, features and evaluation."""
 
-    try:
-        fill_deepspeed_config(accelerator, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
-                              max_grad_norm=cfg.max_grad_norm, hidden_size=model.config.hidden_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    scheduler = lr_scheduler(optimizer, cfg)
-    joint, optimizer = accelerator.prepare(joint, optimizer)
-    if using_deepspeed():
-        restrict_checkpoint_loading(joint)  # --resume reads DeepSpeed's pickles with torch's restricted unpickler
-    unwrapped = accelerator.unwrap_model(joint)
-    head = unwrapped.head
-    verifier = unwrapped.frozen_or_adapted_verifier
+    def __init__(self, cfg: TrainConfig, accelerator, model, records, train_idx: list[int], eval_idx: list[int]):
+        self.cfg, self.accelerator, self.model, self.records, self.train_idx = cfg, accelerator, model, records, train_idx
+        self.out = Path(cfg.output_dir)
+        self._build()
+        self._resume()
+        if cfg.log_with:
+            accelerator.init_trackers("specheads", config={k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))})
+        self.cache = None
+        if cfg.cache_features:
+            source = f"verifier {weights_fingerprint(model)} {model.dtype} layers {list(self.aux_layers)}"
+            self.cache = FeatureCache(cfg.cache_dir or self.out / "features", [r.key() for r in records], source)
+        self.per_rank = cfg.batch_size
+        self.global_batch = self.per_rank * accelerator.num_processes
+        self.orders: dict[int, list[int]] = {}
+        self.n_epoch = len(self.order_for_epoch(0))  # the same every epoch (source_weighted)
+        if self.n_epoch < self.global_batch and not cfg.eval_only:  # eval_only trains nothing: any split will do
+            raise ConfigError(f"{self.n_epoch} training records{' (weighed by source_weights)' if cfg.source_weights else ''} "
+                              f"are fewer than one global batch ({self.global_batch})")
+        self.eval_order = length_sorted_windows(eval_idx[: cfg.eval_batches * self.per_rank], records, cfg.length_window)
+        self.last_eval: dict = {}
 
-    ckpt_dir = out / "checkpoints"
-    step = 0
-    history: list[dict] = []
-    if ckpt_dir.is_dir() and accelerator.is_main_process:
-        for stale in ckpt_dir.glob(".tmp-step_*"):  # killed mid-write
-            shutil.rmtree(stale)
-    accelerator.wait_for_everyone()
-    saved = latest_checkpoint(ckpt_dir) if cfg.resume and ckpt_dir.is_dir() else None
-    if saved is not None:
+    def _build(self) -> None:
+        """The head, the verifier it trains with, the optimizer, the schedule, all prepared."""
+        cfg, model, accelerator = self.cfg, self.model, self.accelerator
+        torch.manual_seed(cfg.seed)
+        head = build_draft_head(cfg, model, [self.records[i] for i in self.train_idx])
+        self.is_draft_model = cfg.head_type == "draft_model"
+        self.aux_layers = head.config.aux_layers if not self.is_draft_model and head.config.head_type in ("eagle3", "dflash") else ()
+        verifier = model
+        if cfg.head_type == "medusa2":
+            from peft import LoraConfig, get_peft_model
+
+            verifier = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        joint = Joint(cfg, head, verifier, trains_verifier=cfg.head_type == "medusa2")
+        self.params = [p for p in joint.parameters() if p.requires_grad]
+        if cfg.optimizer == "sgd":
+            optimizer = torch.optim.SGD(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         try:
-            state = load_checkpoint(accelerator, joint, optimizer, saved)
+            fill_deepspeed_config(accelerator, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
+                                  max_grad_norm=cfg.max_grad_norm, hidden_size=model.config.hidden_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.scheduler = lr_scheduler(optimizer, cfg)
+        self.joint, self.optimizer = accelerator.prepare(joint, optimizer)
+        if using_deepspeed():
+            restrict_checkpoint_loading(self.joint)  # --resume reads DeepSpeed's pickles with torch's restricted unpickler
+        self.unwrapped = accelerator.unwrap_model(self.joint)
+        self.head = self.unwrapped.head
+        self.verifier = self.unwrapped.frozen_or_adapted_verifier
+
+    def _resume(self) -> None:
+        """Step and history from the last complete checkpoint (with ``resume``); stale partial ones removed."""
+        accelerator = self.accelerator
+        self.ckpt_dir = self.out / "checkpoints"
+        self.step, self.history = 0, []
+        if self.ckpt_dir.is_dir() and accelerator.is_main_process:
+            for stale in self.ckpt_dir.glob(".tmp-step_*"):  # killed mid-write
+                shutil.rmtree(stale)
+        accelerator.wait_for_everyone()
+        saved = latest_checkpoint(self.ckpt_dir) if self.cfg.resume and self.ckpt_dir.is_dir() else None
+        if saved is None:
+            return
+        try:
+            state = load_checkpoint(accelerator, self.joint, self.optimizer, saved)
         except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:
             raise ConfigError(f"cannot resume from {saved}: {str(e).splitlines()[0]}") from None
-        step, history = state["step"], state.get("history", [])
-        scheduler = lr_scheduler(optimizer, cfg, step)
-        accelerator.print(f"resumed from {saved} at step {step}")
-    if cfg.log_with:
-        accelerator.init_trackers("specheads", config={k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))})
+        self.step, self.history = state["step"], state.get("history", [])
+        self.scheduler = lr_scheduler(self.optimizer, self.cfg, self.step)
+        accelerator.print(f"resumed from {saved} at step {self.step}")
 
-    cache = None
-    if cfg.cache_features:
-        source = f"verifier {weights_fingerprint(model)} {model.dtype} layers {list(aux_layers)}"
-        cache = FeatureCache(cfg.cache_dir or out / "features", [r.key() for r in records], source)
-    per_rank, world = cfg.batch_size, accelerator.num_processes
-    global_batch = per_rank * world
-    orders: dict[int, list[int]] = {}
-
-    def order_for_epoch(epoch: int) -> list[int]:
-        if epoch not in orders:
+    def order_for_epoch(self, epoch: int) -> list[int]:
+        if epoch not in self.orders:
+            cfg = self.cfg
             gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-            pool = source_weighted(train_idx, records, cfg.source_weights, gen)
+            pool = source_weighted(self.train_idx, self.records, cfg.source_weights, gen)
             perm = torch.randperm(len(pool), generator=gen)
-            orders[epoch] = length_sorted_windows([pool[i] for i in perm.tolist()], records, cfg.length_window)
-        return orders[epoch]
+            self.orders[epoch] = length_sorted_windows([pool[i] for i in perm.tolist()], self.records, cfg.length_window)
+        return self.orders[epoch]
 
-    n_epoch = len(order_for_epoch(0))  # the same every epoch (source_weighted)
-    if n_epoch < global_batch and not cfg.eval_only:  # eval_only trains nothing: any split will do
-        raise ConfigError(f"{n_epoch} training records{' (weighed by source_weights)' if cfg.source_weights else ''} "
-                          f"are fewer than one global batch ({global_batch})")
-
-    def features_for(batch):
-        if cfg.head_type == "medusa2":
+    def features_for(self, batch):
+        if self.cfg.head_type == "medusa2":
             return None  # computed inside the forward, through the adapters
-        if cache is not None:
-            return cache.get(model, batch, aux_layers)
-        return compute_features(model, batch, aux_layers)
+        if self.cache is not None:
+            return self.cache.get(self.model, batch, self.aux_layers)
+        return compute_features(self.model, batch, self.aux_layers)
 
-    eval_order = length_sorted_windows(eval_idx[: cfg.eval_batches * per_rank], records, cfg.length_window)
-
-    def evaluate(order: list[int] | None = None) -> dict:
-        order = eval_order if order is None else order
+    def evaluate(self, order: list[int] | None = None) -> dict:
+        order = self.eval_order if order is None else order
         if not order:
             return {}
-        head.eval()
+        self.head.eval()
         sums: dict[str, float] = {}
         n = 0
         with torch.no_grad():
-            for k in range(0, len(order), per_rank):
-                batch = collate(records, order[k : k + per_rank]).to(accelerator.device)
-                loss, metrics = unwrapped(features_for(batch), batch)
+            for k in range(0, len(order), self.per_rank):
+                batch = collate(self.records, order[k : k + self.per_rank]).to(self.accelerator.device)
+                loss, metrics = self.unwrapped(self.features_for(batch), batch)
                 for key, v in {"loss": loss, **metrics}.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
                 n += 1
-        head.train()
+        self.head.train()
         res = {f"eval_{k}": v / n for k, v in sums.items()}
         res["eval_tau"] = estimated_tau({k[5:]: v for k, v in res.items() if k.startswith("eval_acc_")})
         return res
 
-    if cfg.eval_only:  # measure a head (init_from) on this data's held-out split, train nothing
-        result = evaluate()
+    def eval_only(self) -> dict:
+        """Measure a head (``init_from``) on this data's held-out split, per prompt source too; train nothing."""
+        cfg, records = self.cfg, self.records
+        result = self.evaluate()
         by_source = {}
-        groups = records_by_source(eval_order, records)
+        groups = records_by_source(self.eval_order, records)
         if len(groups) > 1:  # a head that gains on one kind of prompt can lose on another
             for source, idx in groups.items():
-                res = evaluate(length_sorted_windows(idx, records, cfg.length_window))
+                res = self.evaluate(length_sorted_windows(idx, records, cfg.length_window))
                 by_source[source] = {"records": len(idx), **{k[5:]: round(v, 4) for k, v in res.items()}}
-        accelerator.print(json.dumps({"eval_only": True, "head": cfg.init_from, "eval_records": len(eval_order),
-                                      **{k: round(v, 4) for k, v in result.items()}, "by_source": by_source}))
-        end_run(accelerator)
-        return {"step": step, "interrupted": False, "history": [], "eval": result, "eval_by_source": by_source,
-                "head": head, "verifier": verifier}
-    head.train()
-    last_eval: dict = {}
-    while step < cfg.max_steps:
-        t0 = time.time()
-        logs = {}
+        self.accelerator.print(json.dumps({"eval_only": True, "head": cfg.init_from, "eval_records": len(self.eval_order),
+                                           **{k: round(v, 4) for k, v in result.items()}, "by_source": by_source}))
+        end_run(self.accelerator)
+        return {"step": self.step, "interrupted": False, "history": [], "eval": result, "eval_by_source": by_source,
+                "head": self.head, "verifier": self.verifier}
+
+    def train_step(self) -> dict:
+        """One optimizer step over ``grad_accum`` micro-batches; its logged values."""
+        cfg, accelerator = self.cfg, self.accelerator
+        logs: dict[str, float] = {}
         for micro in range(cfg.grad_accum):
-            idx = batch_indices(order_for_epoch, n_epoch, step * cfg.grad_accum + micro, global_batch,
-                                accelerator.process_index, per_rank)
-            batch = collate(records, idx).to(accelerator.device)
-            feats = features_for(batch)
-            with accelerator.accumulate(joint):
+            idx = batch_indices(self.order_for_epoch, self.n_epoch, self.step * cfg.grad_accum + micro, self.global_batch,
+                                accelerator.process_index, self.per_rank)
+            batch = collate(self.records, idx).to(accelerator.device)
+            feats = self.features_for(batch)
+            with accelerator.accumulate(self.joint):
                 with accelerator.autocast():
-                    loss, metrics = joint(feats, batch)
+                    loss, metrics = self.joint(feats, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+                    accelerator.clip_grad_norm_(self.params, cfg.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad()
             logs["loss"] = logs.get("loss", 0.0) + float(loss.detach()) / cfg.grad_accum
             for k, v in metrics.items():
                 logs[k] = logs.get(k, 0.0) + float(v) / cfg.grad_accum
-        scheduler.step()
-        step += 1
-        logs.update(lr=scheduler.get_last_lr()[0], step_s=time.time() - t0)
-        evaluated = step % cfg.eval_every == 0 or step == cfg.max_steps
-        if evaluated:
-            last_eval = evaluate()
-            logs.update(last_eval)
-        history.append({"step": step, **logs})
-        if cfg.log_with:
-            accelerator.log(logs, step=step)
-        if accelerator.is_main_process and (step % 10 == 0 or step == 1 or evaluated):
-            accelerator.print(json.dumps({"step": step, **{k: round(v, 4) for k, v in logs.items()}}))
-        if step % cfg.save_every == 0 and step < cfg.max_steps:
-            save_checkpoint(accelerator, joint, optimizer, ckpt_dir, step, history, cfg.keep_checkpoints)
-        if cfg.interrupt_after and step >= cfg.interrupt_after:
-            accelerator.print(f"interrupted after step {step} (interrupt_after)")
-            end_run(accelerator)
-            return {"step": step, "interrupted": True, "history": history, "head": head, "verifier": verifier}
+        self.scheduler.step()
+        self.step += 1
+        return logs
 
-    accelerator.wait_for_everyone()
-    state = accelerator.get_state_dict(joint)  # collective: gathers ZeRO-3 partitions
-    if accelerator.is_main_process and is_draft_model:  # a plain HF model directory, loadable without specheads
+    def loop(self) -> bool:
+        """Train to ``max_steps``: evaluate, log and save checkpoints on schedule; True when
+        ``interrupt_after`` stopped it (for tests of resuming)."""
+        cfg, accelerator = self.cfg, self.accelerator
+        self.head.train()
+        while self.step < cfg.max_steps:
+            t0 = time.time()
+            logs = self.train_step()
+            step = self.step
+            logs.update(lr=self.scheduler.get_last_lr()[0], step_s=time.time() - t0)
+            evaluated = step % cfg.eval_every == 0 or step == cfg.max_steps
+            if evaluated:
+                self.last_eval = self.evaluate()
+                logs.update(self.last_eval)
+            self.history.append({"step": step, **logs})
+            if cfg.log_with:
+                accelerator.log(logs, step=step)
+            if accelerator.is_main_process and (step % 10 == 0 or step == 1 or evaluated):
+                accelerator.print(json.dumps({"step": step, **{k: round(v, 4) for k, v in logs.items()}}))
+            if step % cfg.save_every == 0 and step < cfg.max_steps:
+                save_checkpoint(accelerator, self.joint, self.optimizer, self.ckpt_dir, step, self.history, cfg.keep_checkpoints)
+            if cfg.interrupt_after and step >= cfg.interrupt_after:
+                accelerator.print(f"interrupted after step {step} (interrupt_after)")
+                end_run(accelerator)
+                return True
+        return False
+
+    def finish(self, tokenizer, t_start: float) -> dict:
+        """Write the trained head (or draft model) and the history into ``output_dir``."""
+        accelerator = self.accelerator
+        accelerator.wait_for_everyone()
+        state = accelerator.get_state_dict(self.joint)  # collective: gathers ZeRO-3 partitions
+        weights = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}
+        if accelerator.is_main_process and self.is_draft_model:  # a plain HF model directory, loadable without specheads
+            self._write_draft_model(weights, tokenizer, t_start)
+        elif accelerator.is_main_process:
+            self._write_head(weights, t_start)
+        end_run(accelerator)
+        return {"step": self.step, "interrupted": False, "history": self.history, "eval": self.last_eval,
+                "head": self.head, "verifier": self.verifier}
+
+    def _write_draft_model(self, weights: dict, tokenizer, t_start: float) -> None:
         from train.draft_model import save_draft_model
 
+        cfg, out = self.cfg, self.out
         try:
-            head.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
-            save_draft_model(head, lv.tokenizer, out, {"verifier": cfg.verifier, "data": str(cfg.prompts or data_path),
-                                                       "records": len(records), "steps": step,
-                                                       "tau": round(last_eval.get("eval_tau", 0.0), 3),
-                                                       "wall_time_s": round(time.time() - t_start)})
-            _write_json(out / "train_history.json", history)
+            self.head.load_state_dict(weights)
+            save_draft_model(self.head, tokenizer, out, {"verifier": cfg.verifier, "data": str(cfg.prompts or cfg.distilled_path),
+                                                         "records": len(self.records), "steps": self.step,
+                                                         "tau": round(self.last_eval.get("eval_tau", 0.0), 3),
+                                                         "wall_time_s": round(time.time() - t_start)})
+            _write_json(out / "train_history.json", self.history)
         except write_errors() as e:
             raise CheckpointWriteError(f"cannot write the trained draft model into {out}: {_reason(e)}; free space there "
                                        "and continue with --resume (from the last complete checkpoint)") from None
-    elif accelerator.is_main_process:
-        final = build_head(head.config)  # a plain CPU copy of the trained weights
-        final.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
-        head = final
+
+    def _write_head(self, weights: dict, t_start: float) -> None:
+        cfg, out, records, last_eval = self.cfg, self.out, self.records, self.last_eval
+        final = build_head(self.head.config)  # a plain CPU copy of the trained weights
+        final.load_state_dict(weights)
+        self.head = final
         facts = {
-            "data": str(cfg.prompts or data_path), "records": len(records), "steps": step,
+            "data": str(cfg.prompts or cfg.distilled_path), "records": len(records), "steps": self.step,
             "tokens": int(sum(sum(r.loss_mask) for r in records)), "wall_time_s": round(time.time() - t_start),
             "peak_memory_mb": peak_memory_mb(),
             "acceptance": {k[9:]: round(v, 4) for k, v in last_eval.items() if k.startswith("eval_acc_")},
@@ -574,15 +649,13 @@ def _train(cfg: TrainConfig, held: list) -> dict:
         }
         try:
             if cfg.head_type == "medusa2":  # the adapter first; the head's config then declares it (heads.io.verifier_adapter)
-                verifier.save_pretrained(str(out / ADAPTER))
-                head.config = dataclasses.replace(head.config, adapter_sha256=adapter_digest(out))
-            head.save_pretrained(out, **facts)
-            _write_json(out / "train_history.json", history)
+                self.verifier.save_pretrained(str(out / ADAPTER))
+                final.config = dataclasses.replace(final.config, adapter_sha256=adapter_digest(out))
+            final.save_pretrained(out, **facts)
+            _write_json(out / "train_history.json", self.history)
         except write_errors() as e:
             raise CheckpointWriteError(f"cannot write the trained head into {out}: {_reason(e)}; free space there "
                                        "and continue with --resume (from the last complete checkpoint)") from None
-    end_run(accelerator)
-    return {"step": step, "interrupted": False, "history": history, "eval": last_eval, "head": head, "verifier": verifier}
 
 
 def _leave_process_group() -> None:
