@@ -609,12 +609,13 @@ class _Run:
         """Write the trained head (or draft model) and the history into ``output_dir``."""
         accelerator = self.accelerator
         accelerator.wait_for_everyone()
-        state = accelerator.get_state_dict(self.joint)  # collective: gathers ZeRO-3 partitions
-        weights = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}
-        if accelerator.is_main_process and self.is_draft_model:  # a plain HF model directory, loadable without specheads
-            self._write_draft_model(weights, tokenizer, t_start)
-        elif accelerator.is_main_process:
-            self._write_head(weights, t_start)
+        state = accelerator.get_state_dict(self.joint)  # collective: gathers ZeRO-3 partitions (None on other ranks)
+        if accelerator.is_main_process:
+            weights = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}
+            if self.is_draft_model:  # a plain HF model directory, loadable without specheads
+                self._write_draft_model(weights, tokenizer, t_start)
+            else:
+                self._write_head(weights, t_start)
         end_run(accelerator)
         return {"step": self.step, "interrupted": False, "history": self.history, "eval": self.last_eval,
                 "head": self.head, "verifier": self.verifier}
