@@ -759,3 +759,11 @@ def test_quiet_steps_are_the_plain_steps_before_the_next_probe():
         drafted = {ALL: 4, ONE: 1}.get(plan, 0)
         pays.record(4, drafted, 4 + 3 * drafted, 0.2 + 0.001 * drafted)  # each draft adds 3 tokens almost free
     assert pays.quiet_steps(4) == 0 and pays.plan(4) == ALL
+
+
+def test_typical_acceptance_at_temperature_0_is_greedy_from_its_first_token(llama):
+    """Its first token comes from the seeded noise path, which must treat temperature 0 as the
+    argmax (a division by the temperature gave NaN probabilities)."""
+    p = prompts((7,))[0]
+    out = generate(llama, None, p, max_new_tokens=8, temperature=0.0, acceptance="typical", seed=3)
+    assert out.token_ids == hf_greedy(llama, p, 8)

@@ -640,7 +640,8 @@ class Engine:
         on the device): ``[N]``, from noise keyed by its seed and the position the token takes."""
         first = row.ids.numel() + len(row.stopper.tokens)  # where the token after the root goes
         u = position_uniforms(row.key, (depths + first).view(1, -1))[0]
-        return noise_sample(_probs(row.params, logits), u)
+        p = row.params  # typical acceptance may run at temperature 0: its first token is then the argmax
+        return noise_sample(warp_probs(logits, max(p.temperature, 1e-5), p.top_k, p.top_p), u)
 
     def _accept(self, rows: list[_Row], trees: TreeBatch, logits: torch.Tensor, drafts: list[Draft]) -> RowsAcceptance:
         """Every row's acceptance. A row's target after each node is the verifier's token there:
