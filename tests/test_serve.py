@@ -40,6 +40,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(proc, url: str, limit_s: float = 240) -> None:
+    """Wait for a ``specheads serve`` subprocess to answer ``/health`` (imports and the model on a
+    busy 2-core machine take a while); fail with its stderr if it dies or never does."""
+    deadline = time.time() + limit_s
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail(f"the server did not come up: {proc.communicate()[1].decode()[-2000:]}")
+        time.sleep(0.2)
+
+
 class Running:
     """The server ``specheads serve`` runs (:func:`make_server`), in a thread of this process, on a
     free loopback port."""
@@ -249,17 +265,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 240  # imports and the model on a busy 2-core machine
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"the server did not come up: {proc.communicate()[1].decode()[-2000:]}")
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         got = {}
 
         def ask():

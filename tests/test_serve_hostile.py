@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import NAME, Running, SlowPlainDrafter, free_port  # noqa: E402
+from test_serve import NAME, Running, SlowPlainDrafter, free_port, wait_until_serving  # noqa: E402
 
 from infer.core.drafter import NoDrafter  # noqa: E402
 from infer.core.models import load_verifier  # noqa: E402
@@ -186,17 +186,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_abort(tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 240
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"the server did not come up: {proc.communicate()[1].decode()[-2000:]}")
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         got: dict[int, object] = {}
         body = {"prompt": "hi", "max_tokens": 900, "temperature": 0}  # greedy: where each ends is deterministic
 
