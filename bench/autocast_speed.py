@@ -1,6 +1,6 @@
 """One EAGLE-3 training step of the default head, float32 against bf16 autocast, side by side.
 
-    python docs/scripts/autocast_speed.py [--tokens 384] [--batch 8] [--repeats 3]
+    python bench/autocast_speed.py [--tokens 384] [--batch 8] [--repeats 3]
 
 The features are computed once (no grad, float32); then the head's loss, backward and an AdamW
 step run ``--repeats`` times in each precision, alternating, and the medians are printed. On a

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-2 / ZeRO-3, executed: ``make deepspeed-check`` (CPU, no GPU needed, ~5 minutes on 2 cores).
 
-    python -m train.deepspeed_check [--stages 2,3] [--processes 2] [--steps 12] [--out runs/deepspeed-check]
+    PYTHONPATH=. python bench/deepspeed_check.py [--stages 2,3] [--processes 2] [--steps 12] [--out runs/deepspeed-check]
 
 For each ZeRO stage, through ``accelerate launch`` with the shipped CPU config
 (``configs/accelerate/deepspeed-zero{2,3}-cpu.yaml``) and the tiny recipe (``configs/tiny-cpu.yaml``):
@@ -139,7 +139,7 @@ def failures(r: StageResult, atol: float, resume_atol: float) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.deepspeed_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench/deepspeed_check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)

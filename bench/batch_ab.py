@@ -1,7 +1,7 @@
 """Batched `--draft auto` against batched plain decoding at each batch size, step by step
 interleaved: the number behind "auto never more than 3% slower than plain at any batch size".
 
-    python docs/scripts/batch_ab.py --batch-sizes 1,2,4,8,16 --out results/batch-ab.json
+    python bench/batch_ab.py --batch-sizes 1,2,4,8,16 --out results/batch-ab.json
 
 Two engines on one verifier model, one with the drafter `--draft` names (built as `specheads serve`
 builds it: a drafter per row, the batch policy kept with the drafter) and one with none. At batch
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_level(engines: dict, prompts: list, b: int, requests: int, max_tokens: int, params_cls, eos) -> dict:

@@ -2,7 +2,7 @@
 tokens/s over A's per category, on how many prompts B was faster, and on what share of its steps
 each method's trained head was paused by its gate.
 
-    python docs/scripts/compare_methods.py docs/bench-2026-12-04-epyc-specbench.json spec:auto spec:eagle3-default-v3k+pld
+    python bench/compare_methods.py results/bench-2026-12-04-epyc-specbench.json spec:auto spec:eagle3-default-v3k+pld
 """
 import json
 import math

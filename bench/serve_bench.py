@@ -2,7 +2,7 @@
 `--draft auto --max-seqs 1` (one request at a time), loaded side by side by `specheads loadgen` at
 1, 4 and 16 concurrent clients, on the Spec-Bench and the unseen prompts (``make serve-bench``).
 
-    python docs/scripts/serve_bench.py --rounds 3 --out results/serve-bench.json --plot results/serve-bench.png
+    python bench/serve_bench.py --rounds 3 --out results/serve-bench.json --plot results/serve-bench.png
 
 The three servers run at once on loopback ports (started one after another, so that each measures
 its verify-cost curve on an idle machine; each waits idle while another is measured). The load
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SERVERS = {"auto": ["--draft", "auto"], "none": ["--draft", "none"], "auto, one at a time": ["--draft", "auto", "--max-seqs", "1"]}
 PAIRED = ("auto", "none")  # the comparison the 3% criterion is about: measured in turns, --rounds times
 PROMPTS = {"spec_bench": ("configs/prompts/spec_bench.jsonl", 2), "unseen": ("configs/prompts/unseen.jsonl", 3)}

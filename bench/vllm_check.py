@@ -2,7 +2,7 @@
 EAGLE-3 head, served by ``vllm.LLM`` offline on CPU, greedy, on the same token ids as a
 transformers greedy reference.
 
-    .venv/bin/python docs/scripts/vllm_check.py --out results/vllm-check.json
+    .venv/bin/python bench/vllm_check.py --out results/vllm-check.json
 
 Run with the project venv; vLLM runs in ``--vllm-python`` (default ``.venv-vllm/bin/python``),
 one subprocess per configuration, so one crash does not stop the others. Steps:
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT_FILES = ("configs/prompts/unseen.jsonl", "configs/prompts/spec_bench.jsonl")
 SHIM = 'import sys\nsys.modules.setdefault("torchaudio", None)\nsys.modules.setdefault("torchcodec", None)\n'
 

@@ -1,7 +1,7 @@
 """Sync points per verify step, by drafter, counted at the dispatch level (infer.core.diagnostics).
 
-    PYTHONPATH=. python docs/scripts/sync_points.py --verifier default --prompts 3 --max-new-tokens 64
-    PYTHONPATH=. python docs/scripts/sync_points.py --verifier tiny
+    PYTHONPATH=. python bench/sync_points.py --verifier default --prompts 3 --max-new-tokens 64
+    PYTHONPATH=. python bench/sync_points.py --verifier tiny
 
 Counts every host read and host<->device copy between two yielded chunks of ``infer.stream``
 (one verify step each, with the drafting before it), on a CPU standing in for a GPU (every
@@ -30,7 +30,7 @@ from infer.drafting.loading import load_drafter
 from infer.drafting.lookup import PromptLookupDrafter
 from infer.drafting.union import UnionDrafter
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def count(model, make_drafter, prompts, max_new_tokens, eos, temperature):

@@ -2,7 +2,7 @@
 ports 8101-8104: the checks behind docs/refused-inputs.md's server section, at the real model's
 speed (the tests run them on a tiny model).
 
-    python docs/scripts/serve_probe.py --out results/serve-probe.json
+    python bench/serve_probe.py --out results/serve-probe.json
 
 Prints and writes one JSON object: seeded texts under ``--draft auto`` (4 identical requests, 8
 prompts alone twice and all at once) and against ``--draft none``; a deeply nested body; a

@@ -2,7 +2,7 @@
 ``generate(assistant_model=draft, do_sample=False)``, prompt by prompt in turn, float32, on the
 chat-templated prompts of a prompt file (the draft-model table of BENCHMARKS.md).
 
-    .venv/bin/python docs/scripts/assisted_bench.py --draft runs/draft-model-default \\
+    .venv/bin/python bench/assisted_bench.py --draft runs/draft-model-default \\
         --prompts configs/prompts/unseen.jsonl --limit 2 --max-new-tokens 128 --out results/assisted.json
 
 Reports tokens/s of both, the speedup, how many outputs equal HF greedy, and HF's own count of
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:

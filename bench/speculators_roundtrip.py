@@ -1,7 +1,7 @@
 """The speculators round trip on the default verifier, measured with the library itself (CPU, float32).
 
     pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 && pip install openai loguru httpx aiohttp
-    PYTHONPATH=. python docs/scripts/speculators_roundtrip.py [--out docs/speculators-roundtrip.json]
+    PYTHONPATH=. python bench/speculators_roundtrip.py [--out results/speculators-roundtrip.json]
 
 1. The shipped default head exported as ``specheads export --format speculators --dtype fp32``
    does (``export_speculators``), loaded by speculators' ``Eagle3DraftModel.from_pretrained``: its
