@@ -32,7 +32,7 @@ check: setup
 lint: setup
 	$(BIN)/ruff check heads infer train tests bench
 
-# the Spec-Bench table of BENCHMARKS.md: 10 prompts per category, 256 new tokens (30-60 min on 2 cores),
+# BENCHMARKS.md's "Speed" measurement at full size: Spec-Bench, 10 prompts per category, 256 new tokens (30-60 min on 2 cores),
 # then the hand-written unseen prompts (chat, code completion, long-form writing; about 25 minutes)
 bench: setup
 	$(BIN)/specheads bench --verifier default --draft auto,default --prompts configs/prompts/spec_bench.jsonl \
@@ -40,7 +40,7 @@ bench: setup
 	$(BIN)/specheads bench --verifier default --draft auto,default --prompts configs/prompts/unseen.jsonl \
 		--max-new-tokens 256 --verify-cost --out results/bench-unseen.json --plot results/bench-unseen.png
 
-# the serving table of BENCHMARKS.md: specheads serve with --draft auto, none, and auto one request at a time,
+# BENCHMARKS.md's "Through the server" table: specheads serve with --draft auto, none, and auto one request at a time,
 # loaded by specheads loadgen at 1, 4 and 16 clients on Spec-Bench and the unseen prompts, auto and none in turns
 # three times per level (~30 min)
 serve-bench: setup

@@ -317,7 +317,7 @@ def train(cfg: TrainConfig) -> dict:
 def slow_autocast_warning(device: torch.device, mixed_precision: str) -> str | None:
     """A one-line warning when bf16 autocast is asked for on a CPU without native bfloat16 dot
     products: torch then runs the head's bf16 matrix products in a slow fallback (one thread;
-    BENCHMARKS.md, DeepSpeed and mixed precision: a training step of the default head ~29x slower than float32 on a
+    BENCHMARKS.md, "Data": a training step of the default head ~29x slower than float32 on a
     2-core AVX2 CPU)."""
     from infer.drafting.head_drafters import cpu_has_fast_bf16
 
