@@ -29,8 +29,10 @@ test: setup
 check: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# ruff, then the guards: no work-history markers in tracked files, no machine paths or stubs in what ships
 lint: setup
 	$(BIN)/ruff check heads infer train tests bench
+	$(BIN)/python bench/lint_guards.py
 
 # BENCHMARKS.md's "Speed" measurement at full size: Spec-Bench, 10 prompts per category, 256 new tokens (30-60 min on 2 cores),
 # then the hand-written unseen prompts (chat, code completion, long-form writing; about 25 minutes)
