@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .core.drafter import Drafter
-from .core.engine import GenerationResult, GenerationStats, stream
+from .core.engine import Engine, GenerationResult, GenerationStats, queue
 from .core.errors import UserError
 from .core.models import load_verifier
 from .core.params import SamplingParams
@@ -56,11 +56,14 @@ class Speculator:
 
     One generation at a time: a second ``stream()`` / ``generate()`` while one is unfinished (an
     unexhausted stream, or another thread) is refused with a :class:`UserError`; it never
-    interleaves with the first (they share the verifier's KV cache and the drafter's state)."""
+    interleaves with the first (they share the verifier's KV cache and the drafter's state).
+    Every call runs on one long-lived :class:`~infer.core.engine.Engine`, so what its schedule
+    learns (the verify cost, the drafter's own cost, the gates) carries over from call to call.
+    ``budget``: the engine's (``auto``: the verify cost probed now)."""
 
-    def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = "", linear: str = "auto"):
+    def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = "", linear: str = "auto", budget="auto"):
         self.model, self.tokenizer, self.drafter, self.name = model, tokenizer, drafter, name
-        self._verifier = Verifier(model, linear=linear)
+        self.engine = Engine(Verifier(model, linear=linear), drafter, budget=budget)
         # one generation at a time: the verifier's KV cache and the drafter's state are per generation
         self._busy = threading.Lock()
 
@@ -77,9 +80,8 @@ class Speculator:
         check_kernel_device(linear, device)  # before loading anything
         draft_parts(draft, None)  # a bad draft spec fails before the verifier loads
         lv = load_verifier(verifier, dtype=dtype, device=device)
-        drafter = load_drafter(draft, lv.model, tree=spec, budget=tree_budget, draft_dtype=draft_dtype, linear=linear,
-                               tokenizer=lv.tokenizer)
-        return cls(lv.model, lv.tokenizer, drafter, name=verifier, linear=linear)
+        drafter = load_drafter(draft, lv.model, tree=spec, draft_dtype=draft_dtype, tokenizer=lv.tokenizer)
+        return cls(lv.model, lv.tokenizer, drafter, name=verifier, linear=linear, budget=tree_budget)
 
     def _ids(self, prompt, chat: bool | None) -> torch.Tensor:
         if isinstance(prompt, str):
@@ -106,13 +108,25 @@ class Speculator:
         eos = eos_ids(self.model, self.tokenizer) if self.tokenizer is not None else None
         if not self._busy.acquire(blocking=False):
             raise UserError(BUSY)
+        engine = self.engine
         try:
-            chunks = stream(self._verifier, self.drafter, ids, params=params, eos_token_id=eos, stop=stop,
-                            tokenizer=self.tokenizer, max_batch=max_batch)
+            if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+                raise UserError(f"max_batch must be a positive integer, not {max_batch!r}")
+            engine.max_rows = max_batch
+            at = {index: i for i, index in enumerate(queue(engine, ids, params, eos_token_id=eos, stop=stop,
+                                                           tokenizer=self.tokenizer))}
         except BaseException:
+            engine.reset()
             self._busy.release()
             raise
-        return _Held(self._texts(chunks), self._busy.release)
+        chunks = (replace(c, index=at[c.index]) for c in engine.run())
+        return _Held(self._texts(chunks), self._release)
+
+    def _release(self) -> None:
+        """A call ended (exhausted, failed or closed early): its rows leave, the next may start."""
+        if self.engine.busy:
+            self.engine.reset()
+        self._busy.release()
 
     def _texts(self, chunks: Iterator) -> Iterator[TextChunk]:
         """The engine's chunks with their text (per prompt, complete characters only)."""

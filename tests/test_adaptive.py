@@ -5,11 +5,12 @@ import torch
 
 from conftest import hf_greedy
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
-from infer import generate
-from infer.core.cost import OnlineCost, VerifyCost
+from infer.core.drafter import RowDrafter, host_draft
+from infer.core.engine import Engine
 from infer.core.models import tiny_random_model
+from infer.core.params import SamplingParams
+from infer.core.schedule import Backoff, Gate, OnlineCost, Schedule, VerifyCost
 from infer.core.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
-from infer.drafting.gate import Gate, Gates
 from infer.drafting.head_drafters import Calibration, EagleDrafter
 
 PRIOR = VerifyCost((1, 4, 16), (1.0, 1.5, 2.2))
@@ -53,26 +54,26 @@ def test_calibrated_confidences_shrink_the_tree():
 
 
 def test_gate_pauses_then_probes_with_growing_pauses():
-    gate = Gate.new("cpu")
+    gate = Gate()
 
     def losing_steps(n):  # n engine steps of a head whose every drafted step loses time
         drafted = []
         for _ in range(n):
             drafted.append(gate.should_draft())
             if drafted[-1]:
-                gate.record(torch.tensor(0.5))
+                gate.record(0.5)
         return drafted
 
     first = losing_steps(60)
     assert first[0] and sum(first) <= 10
     losing_steps(500)
     assert sum(losing_steps(520)) <= 0.02 * 520  # it settles at one probe per 65 steps
-    gate.record(torch.tensor(3.0))  # a probe that pays resumes drafting at once
-    assert gate.should_draft() and gate.backoff == 1
+    gate.record(3.0)  # a probe that pays resumes drafting at once
+    assert gate.should_draft() and gate.backoff.pause == 1
 
 
 def test_a_gate_carries_what_it_learnt_to_the_next_generation_and_forgets_by_halves():
-    gate = Gate.new("cpu")
+    gate = Gate()
     for _ in range(200):  # a generation in which drafting never paid: pauses of 64 steps by its end
         if gate.should_draft():
             gate.record(0.5)
@@ -82,47 +83,39 @@ def test_a_gate_carries_what_it_learnt_to_the_next_generation_and_forgets_by_hal
     short = gate.carried()
     for _ in range(6):  # generations too short to reach a probe: the pause halves each time
         short = short.carried()
-    assert short.skip == 1 and short.should_draft() is False and short.should_draft() is True
-    paying = Gate.new("cpu")
+    assert short.backoff.skip == 1 and short.should_draft() is False and short.should_draft() is True
+    paying = Gate()
     paying.record(2.0)
-    assert paying.carried().should_draft() and paying.carried().skip == 0
+    assert paying.carried().should_draft() and paying.carried().backoff.skip == 0
 
 
-def test_gates_carry_the_sampled_gate_and_start_greedy_ones_fresh():
-    gates = Gates()
-    sampled = gates.select(sampled=True)
-    assert gates.current is sampled and gates.select(sampled=True) is sampled  # one per generation
-    sampled.ema, sampled.backoff = 0.5, 8
-    greedy = gates.select(sampled=False)
-    greedy.ema, greedy.backoff = 0.5, 8
-    gates.begin()
-    assert gates.select(sampled=False) is not greedy and gates.current.skip == 0  # greedy: fresh
-    assert gates.select(sampled=True).skip == 4  # sampled: carried, its next pause halved
+def test_backoff_doubles_to_its_most_and_resets_when_a_try_pays():
+    b = Backoff(2, 16)
+    waits = []
+    for _ in range(5):
+        b.failed()
+        waits.append(b.skip)
+        while b.waiting():
+            pass
+    assert waits == [2, 4, 8, 16, 16]
+    b.paid()
+    assert (b.pause, b.skip, b.waiting()) == (2, 0, False)
+    b.hold(3)
+    assert [b.waiting() for _ in range(4)] == [True, True, True, False]
 
 
-def test_only_sampled_generations_start_from_the_last_ones_gate():
-    model = tiny_random_model("llama", vocab_size=256, seed=1)
-    cfg = HeadConfig("eagle3", VerifierSpec.of(model), draft_vocab_size=200,
-                     aux_layers=default_aux_layers(2), layer_config=model.config.to_dict())
-    torch.manual_seed(0)
-    drafter = EagleDrafter(build_head(cfg), model, DynamicTreeSpec(2, 2, 4), cost=OnlineCost(PRIOR))
-    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
-
-    def ended_paused(gate):  # how a generation whose drafts never paid ends (set, not timed: no flakiness)
-        gate.ema, gate.backoff, gate.skip = 0.5, 16, 8
-
-    generate(model, drafter, ids, max_new_tokens=20, temperature=1.0, seed=0)
-    sampled = drafter.gates.current
-    ended_paused(sampled)
-    generate(model, drafter, ids, max_new_tokens=3)  # greedy: its own gate, fresh: its first proposal drafts
-    greedy = drafter.gates.current
-    assert greedy is not sampled and greedy.paused == 0
-    ended_paused(greedy)
-    generate(model, drafter, ids, max_new_tokens=3)  # greedy again: fresh again, whatever the last one learnt
-    assert drafter.gates.current is not greedy and drafter.gates.current.paused == 0
-    generate(model, drafter, ids, max_new_tokens=3, temperature=1.0, seed=1)  # sampled: starts paused
-    # its pause of 16 halved at every generation since (two greedy ones, then this one): 2, one step gone
-    assert drafter.gates.current.paused == 1 and drafter.gates.current.skip == 1 and drafter.gates.current.backoff == 2
+def test_only_sampled_rows_start_from_the_last_ones_gate():
+    schedule = Schedule(OnlineCost(PRIOR))
+    sampled = schedule.gate(True)
+    sampled.ema, sampled.backoff = 0.5, Backoff(1, 64, pause=16, skip=8)
+    schedule.retire(sampled, True)
+    greedy = schedule.gate(False)
+    assert greedy.paused == 0 and greedy.backoff.skip == 0  # greedy: fresh
+    greedy.ema, greedy.backoff = 0.5, Backoff(1, 64, pause=16, skip=8)
+    schedule.retire(greedy, False)
+    assert schedule.gate(False).backoff.skip == 0  # fresh again, whatever the last one learnt
+    nxt = schedule.gate(True)  # sampled: carried, its pause halved
+    assert nxt.backoff.skip == 8 and nxt.ema == 0.5
 
 
 def test_a_head_that_is_never_accepted_stops_running():
@@ -134,15 +127,74 @@ def test_a_head_that_is_never_accepted_stops_running():
     cost = OnlineCost(PRIOR)
     for _ in range(5):  # as if the engine had timed a few steps already
         cost.observe(1, 0.010)
-    drafter = EagleDrafter(head, model, DynamicTreeSpec(4, 4, 16), cost=cost)
+    drafter = EagleDrafter(head, model, DynamicTreeSpec(4, 4, 16))
     passes = []
     head.register_forward_pre_hook(lambda m, a: passes.append(1))
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
-    res = generate(model, drafter, ids, max_new_tokens=60)
-    assert res.token_ids == hf_greedy(model, ids, 60)
-    assert res.stats.mean_accepted < 1.2  # a random head: nothing to gain
-    assert len(passes) < 0.4 * res.stats.verify_steps, (len(passes), res.stats.verify_steps)
-    state = drafter.state()  # what a benchmark row records: the pauses, the learnt curve
-    assert state["paused_steps"] > 0.5 * res.stats.verify_steps and state["gate_gain"] < 1.0
+    engine = Engine(model, drafter, budget=cost)
+    engine.add(ids, SamplingParams(max_new_tokens=60))
+    chunks = list(engine.run())
+    stats = chunks[-1].stats
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy(model, ids, 60)
+    assert stats.mean_accepted < 1.2  # a random head: nothing to gain
+    assert len(passes) < 0.4 * stats.verify_steps, (len(passes), stats.verify_steps)
+    state = engine.schedule.state()  # what a benchmark row records: the learnt curve and costs
     assert state["cost"]["seconds_per_token"] > 0 and state["cost"]["relative"][4] >= 1.0
-    assert list(state["calibration"]) == ["greedy, depth 4"]
+    assert list(drafter.state()["calibration"]) == ["greedy, depth 4"]
+
+
+class Clocked(OnlineCost):
+    """A verify-cost curve whose clock is a fixed function of the node count (one token takes
+    ``spt`` seconds): what the machine's load does to the timings cannot change a decision."""
+
+    def __init__(self, prior, spt):
+        super().__init__(prior)
+        self.spt = spt
+        for _ in range(4):
+            super().observe(1, spt)
+
+    def observe(self, nodes, seconds):
+        super().observe(nodes, self.spt * self.prior(nodes))
+
+
+class CostlyChain(RowDrafter):
+    """A chain drafter whose every drafted token takes ``per_token`` seconds of a fake clock
+    (``clock``, shared): what a draft model as costly as the verifier costs."""
+
+    def __init__(self, clock, per_token):
+        self.clock, self.per_token, self.proposed = clock, per_token, []
+
+    def spawn(self):
+        new = CostlyChain(self.clock, self.per_token)
+        new.proposed = self.proposed
+        return new
+
+    def propose_row(self, root, budget, generator=None):
+        self.proposed.append(budget.depth)
+        depth = budget.depth if budget.cost is None else max(
+            range(budget.depth + 1), key=lambda d: ((d + 1) / budget.cost(d + 1), -d))  # all accepted, at best
+        self.clock[0] += self.per_token * max(depth, 1)
+        return host_draft([root] + [1] * depth, list(range(-1, depth)))
+
+
+def test_the_budget_refuses_drafts_that_cannot_pay_for_their_drafting(monkeypatch):
+    """A drafter as costly per token as the verifier (a fake clock): after the first cautious
+    one-node drafts have measured its cost, the budget finds that no draft can pay and no row is
+    asked to draft for a long pause; a cheap drafter is given deep budgets."""
+    import infer.core.engine as engine_module
+
+    model = tiny_random_model("llama", vocab_size=256, seed=1)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    spt = 0.05
+    for per_token, drafts in ((spt, False), (0.01 * spt, True)):
+        clock = [0.0]
+        monkeypatch.setattr(engine_module.time, "perf_counter", lambda c=clock: c[0])
+        drafter = CostlyChain(clock, per_token)
+        engine = Engine(model, drafter, budget=Clocked(VerifyCost((1, 2, 4, 8), (1.0, 1.05, 1.15, 1.4)), spt))
+        engine.add(ids, SamplingParams(max_new_tokens=120))
+        list(engine.run())
+        if drafts:  # asked for deep drafts (its wrong tokens then pause it at its row's gate, never refused)
+            assert max(drafter.proposed) > 1 and engine.schedule.refusal.skip == 0
+        else:
+            assert drafter.proposed == [1, 1]  # measured with two one-node drafts, then refused
+            assert engine.schedule.refusal.skip > 100  # and not asked again for a long pause

@@ -9,21 +9,19 @@ Rows join a running batch (continuous batching) without changing anyone's output
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from conftest import VOCAB, forked_map, hf_greedy
 from infer import generate, stream
 from infer.core.batch import stack_drafts
-from infer.core.cost import BatchCost, VerifyCost
-from infer.core.drafter import Drafter, NoDrafter, host_draft
+from infer.core.drafter import Budget, NoDrafter, RowDrafter, host_draft
 from infer.core.engine import Engine
 from infer.core.params import SamplingParams
+from infer.core.schedule import BatchCost, VerifyCost
 from infer.core.verifier import Verifier
 from infer.drafting.lookup import PromptLookupDrafter
-from infer.tools.selfcheck import OracleDrafter
+from infer.testing import OracleDrafter
 
 LENGTHS = (3, 17, 40, 9)
 
@@ -33,32 +31,24 @@ def prompts(lengths=LENGTHS, seed=0) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
 
 
-class PerPromptOracle(Drafter):
-    """An :class:`OracleDrafter` per prompt: at :meth:`begin` it picks the continuation of the prompt
-    it was given (so one drafter, spawned per row, knows every row's continuation)."""
+class PerPromptOracle(RowDrafter):
+    """An :class:`OracleDrafter` per prompt: at :meth:`begin_row` it picks the continuation of the
+    prompt it was given (so one drafter, copied per row, knows every row's continuation)."""
 
     def __init__(self, refs: dict[tuple[int, ...], list[int]], parents, p_right=1.0, seed=0):
         self.refs, self.parents, self.p_right, self.seed = refs, parents, p_right, seed
         self.inner = None
 
-    def spawn(self):
-        return copy.deepcopy(self)
-
-    def batch_policy(self, make):
-        """Every row drafts at every step (the measured default may keep a tiny model's batch plain,
-        and these drafts are what the tests check the batch verifies)."""
-        return Script(0)
-
-    def begin(self, prompt_ids, features=None):
+    def begin_row(self, prompt_ids, features=None, params=None):
         key = tuple(prompt_ids.tolist())
         self.inner = OracleDrafter(self.refs[key], len(key), self.parents, p_right=self.p_right, seed=self.seed)
-        self.inner.begin(prompt_ids, features)
+        self.inner.begin_row(prompt_ids, features, params)
 
-    def update(self, tokens, features=None):
-        self.inner.update(tokens, features)
+    def update_row(self, tokens, features=None):
+        self.inner.update_row(tokens, features)
 
-    def propose(self, root, *, tree=None, max_depth=8, generator=None):
-        return self.inner.propose(root, tree=tree, max_depth=max_depth, generator=generator)
+    def propose_row(self, root, budget, generator=None):
+        return self.inner.propose_row(root, budget, generator)
 
 
 TREE = [-1, 0, 1, 2, 0, 4, 1, 6, 0, 3]
@@ -163,7 +153,7 @@ def test_rows_join_a_running_batch_without_changing_anyones_output(llama):
             index[engine.add(ps[3], SamplingParams(max_new_tokens=20))] = 3
         if steps == 6:
             index[engine.add(ps[4], SamplingParams(max_new_tokens=20))] = 4
-        for chunk in engine.step():
+        for chunk in engine.step().chunks:
             got.setdefault(index[chunk.index], []).extend(chunk.token_ids)
         sizes.append(len(engine.rows))
         steps += 1
@@ -204,11 +194,11 @@ def test_rows_prefilled_in_several_passes_equal_hf_greedy(llama, kind):
         if steps == 2:
             index.update({engine.add(p, SamplingParams(max_new_tokens=16)): 4 + i for i, p in enumerate(ps[4:])})
         if steps == 0:
-            first = engine.step()
+            first = engine.step().chunks
             assert [len(ps[index[c.index]]) for c in first] == [3, 9, 17, 40]  # four passes, shortest first
             chunks = first
         else:
-            chunks = engine.step()
+            chunks = engine.step().chunks
         for chunk in chunks:
             got.setdefault(index[chunk.index], []).extend(chunk.token_ids)
         steps += 1
@@ -225,7 +215,7 @@ def test_a_cancelled_row_leaves_and_the_others_are_unchanged(llama):
     while engine.busy:
         if steps == 4:
             assert engine.cancel(ids[1])
-        for c in engine.step():
+        for c in engine.step().chunks:
             got[c.index].extend(c.token_ids)
         steps += 1
     assert got[ids[0]] == refs[0] and got[ids[2]] == refs[2]
@@ -247,7 +237,7 @@ def test_a_queued_generation_joins_at_the_step_after_a_full_batch_has_a_row_canc
         joins = engine.joins_next
         assert engine.joins_next == joins  # reading it changes nothing
         kinds.append(joins)
-        for c in engine.step():
+        for c in engine.step().chunks:
             got[c.index].extend(c.token_ids)
     assert kinds[:5] == [True, False, False, True, False]  # the third joins in the first step after the cancel
     assert got[ids[2]] == hf_greedy(llama, ps[2], 12) and got[ids[1]] == hf_greedy(llama, ps[1], 12)
@@ -276,12 +266,11 @@ def test_batch_cost_shrinks_trees_as_the_batch_grows():
     # four nodes per row: 1.1x a plain step for one row, 2.5x for a batch of 16 (16 -> 64 rows)
     assert base(4) == pytest.approx(1.1) and BatchCost(base, 16)(4) == pytest.approx(4.0 / 1.6)
     pld = PromptLookupDrafter(max_ngram=2)
-    pld.begin(torch.tensor([1, 2, 3, 4] * 6))
-    pld.update(torch.tensor([1]))
+    pld.begin_row(torch.tensor([1, 2, 3, 4] * 6))
+    pld.update_row(torch.tensor([1]))
     for acc, want in ((0.9, True), (0.9, False)):
         pld._stats = {2: (acc * 100, (1 - acc) * 100)}
-        pld.set_cost(base if want else BatchCost(base, 64))
-        tokens, _ = pld.propose_host(2, max_depth=8)
+        tokens, _ = pld.propose_host(2, Budget(8, cost=base if want else BatchCost(base, 64)))
         assert (len(tokens) > 1) == want, (acc, len(tokens))
     # a row drafting alone pays for every row padded to its tree: 1 + 4 x (1.1 - 1) at 4 rows of one node each
     assert BatchCost(base, 4, alone=True)(1) == 1.0
@@ -289,8 +278,7 @@ def test_batch_cost_shrinks_trees_as_the_batch_grows():
     pld._stats = {2: (90, 10)}
     sizes = {}
     for alone in (False, True):
-        pld.set_cost(BatchCost(base, 4, alone=alone))
-        sizes[alone] = len(pld.propose_host(2, max_depth=8)[0])
+        sizes[alone] = len(pld.propose_host(2, Budget(8, cost=BatchCost(base, 4, alone=alone)))[0])
     assert sizes[False] > sizes[True], sizes
 
 
@@ -442,7 +430,7 @@ def test_a_batch_stops_drafting_where_drafting_measures_slower():
     """A simulated batch of 16 whose plain step takes 0.2 s (80 tokens/s): when one row's draft adds
     more than it costs, every row drafts (as long as that is faster); when it does not, the batch
     decodes plainly and only probes one row now and then."""
-    from infer.core.cost import ALL, ONE, PLAIN, SpecPolicy
+    from infer.core.schedule import ALL, ONE, PLAIN, SpecPolicy
 
     def step(plan, gain, cost):
         drafted = 16 if plan == ALL else (1 if plan == ONE else 0)
@@ -468,7 +456,7 @@ def test_a_larger_batch_waits_as_long_as_a_smaller_one_where_drafting_lost():
     """Once one row's draft has measured not to pay at 4 rows, a batch of 16 (which only adds rows
     to pad) waits as long as the batch of 4 waits before its first probe; with nothing measured
     at a smaller size, 16 rows probe right after their plain warm-up."""
-    from infer.core.cost import ONE, SpecPolicy
+    from infer.core.schedule import ONE, SpecPolicy
 
     def first_probe(policy, rows):
         for i in range(1000):
@@ -484,7 +472,7 @@ def test_a_larger_batch_waits_as_long_as_a_smaller_one_where_drafting_lost():
     taught = SpecPolicy(first_pause=4, max_pause=64)
     for _ in range(200):
         first_probe(taught, 4)  # the batch of 4 probes, loses, and waits longer each time
-    waited = taught._buckets[2].pause
+    waited = taught._buckets[2].probe.pause
     assert waited == 64
     assert first_probe(taught, 16) == taught.warmup + waited
     assert first_probe(taught, 3) is not None  # the smaller batch still probes on its own schedule
@@ -494,7 +482,7 @@ def test_probes_cost_a_bounded_share_of_plain_decoding():
     """Where a probe is expensive (it pads every row to its tree: here it doubles the step), the
     probes that do not pay add at most about ``probe_share`` to the plain decoding time, from the
     start (a short burst of requests is all some batches see)."""
-    from infer.core.cost import ONE, SpecPolicy
+    from infer.core.schedule import ONE, SpecPolicy
 
     policy = SpecPolicy(probe_share=0.02)
     plain_s, extra_s = 0.1, 0.0
@@ -512,7 +500,7 @@ def test_what_paid_at_2_rows_is_measured_again_at_4():
     """Drafting that pays at 2 rows (one row's draft adds to 2 tokens a step) is not taken to pay at
     4, where it must add to 4: a batch of 4 warms up plainly and probes before any step where every
     row drafts, and where its probes lose, no such step comes."""
-    from infer.core.cost import ALL, ONE, PLAIN, SpecPolicy
+    from infer.core.schedule import ALL, ONE, PLAIN, SpecPolicy
 
     policy = SpecPolicy()
     for _ in range(50):  # 2 rows: a draft adds 2 tokens for 30% of a step
@@ -532,7 +520,7 @@ def test_what_paid_at_2_rows_is_measured_again_at_4():
 def test_drafting_steps_are_compared_with_plain_steps_of_their_row_count():
     """A bucket holds several row counts: every row drafting at 4 rows must beat plain decoding at
     4 rows, not the mean of plain steps at 3 and 4 rows (which emit 3 and 4 tokens a step)."""
-    from infer.core.cost import SpecPolicy
+    from infer.core.schedule import SpecPolicy
 
     policy = SpecPolicy()
     for rows in (3, 4, 3, 4):
@@ -543,40 +531,50 @@ def test_drafting_steps_are_compared_with_plain_steps_of_their_row_count():
     assert 0.9 < gain < 1.0, gain
 
 
-def test_the_batch_policy_is_kept_with_the_drafter(small_vocab_model):
-    """What one batch measured carries over to the next batch with the same drafter (as its
-    cost curve does): engines made for the same drafter share its policy."""
-    from infer import generate
-    from infer.core.cost import SpecPolicy
+def test_the_batch_policy_is_kept_with_the_engine(small_vocab_model):
+    """What one batch measured carries over to the next batch on the same engine (as its cost
+    curve does); an untimed engine drafts every row (nothing timed decides anything)."""
     from infer.core.engine import Engine
+    from infer.core.schedule import AllDraft, OnlineCost, SpecPolicy
     from infer.drafting.lookup import PromptLookupDrafter
 
     model = small_vocab_model
-    drafter = PromptLookupDrafter()
-    assert Engine(model, drafter).policy is Engine(model, drafter).policy is drafter.batch_policy(SpecPolicy)
-    assert Engine(model, PromptLookupDrafter()).policy is not drafter.batch_policy(SpecPolicy)
-    generate(model, drafter, [[1, 2, 3, 1, 2], [4, 5, 6]], max_new_tokens=6)
-    assert drafter.batch_policy(SpecPolicy).state()  # the batch of 2 measured its plain steps
+    assert isinstance(Engine(model, PromptLookupDrafter()).policy, AllDraft)
+    engine = Engine(model, PromptLookupDrafter(), budget=OnlineCost())
+    policy = engine.policy
+    assert isinstance(policy, SpecPolicy)
+    for _ in range(2):
+        for p in ([1, 2, 3, 1, 2], [4, 5, 6]):
+            engine.add(p, SamplingParams(max_new_tokens=6))
+        list(engine.run())
+    assert engine.policy is policy and policy.state()  # the batches of 2 measured their plain steps
 
 
-class ContextRecorder(Drafter):
+class ContextRecorder(RowDrafter):
     """Records what the engine hands it (tokens and layer-1 features) and, at every proposal, how
-    much of the context it has seen; proposes a one-node chain of a token no model picks."""
+    much of the context it has seen; proposes a one-node chain of a token no model picks. Every
+    row's copy is kept in ``by_prompt`` (shared), under its prompt."""
 
     feature_layers = (1,)
 
+    def __init__(self):
+        self.by_prompt = {}
+
     def spawn(self):
-        return ContextRecorder()
+        new = type(self)()
+        new.by_prompt = self.by_prompt
+        return new
 
-    def begin(self, prompt_ids, features=None):
+    def begin_row(self, prompt_ids, features=None, params=None):
         self.tokens, self.features, self.updates, self.seen_at_propose = list(prompt_ids.tolist()), [features[:, 0]], 0, []
+        self.by_prompt[tuple(prompt_ids.tolist())] = self
 
-    def update(self, tokens, features=None):
+    def update_row(self, tokens, features=None):
         self.tokens += tokens.tolist()
         self.features.append(features[:, 0])
         self.updates += 1
 
-    def propose(self, root, *, tree=None, max_depth=8, generator=None):
+    def propose_row(self, root, budget, generator=None):
         self.seen_at_propose.append(len(self.tokens))
         return host_draft((root, 0), (-1, 0))
 
@@ -610,10 +608,10 @@ def test_plain_steps_hand_their_context_to_the_drafter_at_once_before_it_drafts(
     rows = list(engine.rows) + list(engine.pending)
     got = {0: [], 1: []}
     while engine.busy:
-        for chunk in engine.step():
+        for chunk in engine.step().chunks:
             got[chunk.index] += chunk.token_ids
     for p, row in zip(ps, rows):
-        d = row.drafter
+        d = engine.drafter.by_prompt[tuple(p.tolist())]
         assert got[row.index] == hf_greedy(llama, p, n)
         assert d.updates == 2 + len(d.seen_at_propose)  # one at HOLD_STEPS plain steps, one before the first draft, one per draft
         committed = p.numel() + plain  # prompt + one root per plain step, when the row first drafts
@@ -625,38 +623,29 @@ def test_plain_steps_hand_their_context_to_the_drafter_at_once_before_it_drafts(
 
 
 class CostRecorder(ContextRecorder):
-    """Records the cost curve it proposes under."""
+    """Records the prices of the budgets it proposes under."""
 
-    def __init__(self):
-        self.cost = VerifyCost((1, 4, 16, 64), (1.0, 1.1, 1.6, 4.0))
-
-    def spawn(self):
-        new = CostRecorder()
-        new.cost = self.cost
-        return new
-
-    def propose(self, root, *, tree=None, max_depth=8, generator=None):
-        self.costs = getattr(self, "costs", []) + [self.cost]
-        return super().propose(root, tree=tree, max_depth=max_depth, generator=generator)
+    def propose_row(self, root, budget, generator=None):
+        self.costs = getattr(self, "costs", []) + [budget.cost]
+        return super().propose_row(root, budget, generator)
 
 
 class OneRow(Script):
     def plan(self, rows: int) -> int:
-        return 1  # infer.core.cost.ONE: one row drafts, in turn
+        return 1  # infer.core.schedule.ONE: one row drafts, in turn
 
 
 def test_a_row_probing_alone_sizes_its_tree_for_the_rows_padded_to_it(llama):
-    engine = Engine(Verifier(llama), CostRecorder(), max_rows=4, policy=OneRow(0))
+    curve = VerifyCost((1, 4, 16, 64), (1.0, 1.1, 1.6, 4.0))
+    engine = Engine(Verifier(llama), CostRecorder(), max_rows=4, budget=curve, policy=OneRow(0))
     for p in prompts():
         engine.add(p, SamplingParams(max_new_tokens=6))
     engine.step()  # the four join
-    rows = list(engine.rows)
     engine.step()
-    probing = [r for r in rows if getattr(r.drafter, "costs", None)]
+    probing = [d for d in engine.drafter.by_prompt.values() if getattr(d, "costs", None)]
     assert len(probing) == 1
-    cost = probing[0].drafter.costs[0]
-    assert isinstance(cost, BatchCost) and cost.alone and cost.rows == 4
-    assert all(isinstance(r.drafter.cost, BatchCost) and not r.drafter.cost.alone for r in rows)  # given back after
+    cost = probing[0].costs[0]
+    assert isinstance(cost, BatchCost) and cost.alone and cost.rows == 4 and cost.base is curve
 
 
 @pytest.mark.parametrize("wait, gap, passes", [(4, 3, 1), (0, 3, 2), (4, 6, 2)])
@@ -674,7 +663,7 @@ def test_queued_rows_wait_a_few_steps_for_a_row_about_to_end_and_join_in_one_pas
     got = {}
     while engine.busy:
         joins, passes_before = engine.joins_next, len(prefills)
-        chunks = engine.step()
+        chunks = engine.step().chunks
         assert joins == (len(prefills) > passes_before)  # joins_next said what kind of step came
         for chunk in chunks:
             got.setdefault(index[chunk.index], []).extend(chunk.token_ids)
@@ -694,7 +683,7 @@ class QuietFor(Script):
         self.quiet, self.every = quiet, plan
 
     def plan(self, rows: int) -> int:
-        return self.every if rows > 1 else -1  # infer.core.cost.ONE / ALL
+        return self.every if rows > 1 else -1  # infer.core.schedule.ONE / ALL
 
     def quiet_steps(self, rows: int) -> int:
         return self.quiet if rows > 1 else 0
@@ -715,28 +704,28 @@ def test_rows_that_end_before_the_batch_would_let_them_draft_join_cold(llama, li
     got = {}
     first = engine.add(ps[0], SamplingParams(max_new_tokens=limits[0]))
     for _ in range(3):  # the first row runs alone (warm), then the others join
-        for chunk in engine.step():
+        for chunk in engine.step().chunks:
             got.setdefault(chunk.index, []).extend(chunk.token_ids)
     index = {first: 0} | {engine.add(p, SamplingParams(max_new_tokens=n)): i for i, (p, n) in enumerate(zip(ps[1:], limits[1:]), 1)}
     joined = list(engine.pending)
     while engine.busy:
-        for chunk in engine.step():
+        for chunk in engine.step().chunks:
             got.setdefault(chunk.index, []).extend(chunk.token_ids)
     assert [got[k] for k in sorted(index, key=index.get)] == [hf_greedy(llama, p, n) for p, n in zip(ps, limits)]
     assert passes[0] == (1, True) and all(f == (not cold) for _, f in passes[1:]), passes
     assert all(r.warm == (not cold) for r in joined)
+    seen = engine.drafter.by_prompt
     for r in joined:
-        assert hasattr(r.drafter, "seen_at_propose") == (not cold)  # a cold row's drafter is never begun
-        assert not cold or not hasattr(r.drafter, "tokens")
+        assert (tuple(r.ids.tolist()) in seen) == (not cold)  # a cold row's drafter is never begun
     if not cold:
-        assert all(r.drafter.seen_at_propose for r in joined)  # the probes took every warm row in turn
+        assert all(seen[tuple(r.ids.tolist())].seen_at_propose for r in joined)  # the probes took every warm row in turn
 
 
 def test_quiet_steps_are_the_plain_steps_before_the_next_probe():
     """``SpecPolicy.quiet_steps`` tells exactly how many coming steps :meth:`plan` makes plain:
     after a smaller batch found that one row's draft does not pay, after its own probes lost, and
     0 where a draft pays or a row is alone."""
-    from infer.core.cost import ALL, ONE, PLAIN, SpecPolicy
+    from infer.core.schedule import ALL, ONE, PLAIN, SpecPolicy
 
     def plans_until_probe(policy, rows):
         out = []

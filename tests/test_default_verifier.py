@@ -40,7 +40,7 @@ def test_shipped_default_head_is_lossless_and_accepts(default):
 
     eos = eos_ids(default.model, default.tokenizer)
     for draft in ("default", "default+pld"):
-        drafter = load_drafter(draft, default.model, tree=None, budget="fixed")
+        drafter = load_drafter(draft, default.model, tree=None)
         accepted = []
         for prompt in PROMPTS:
             ids = encode_prompt(default.tokenizer, prompt)

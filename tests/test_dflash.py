@@ -12,6 +12,7 @@ from conftest import VOCAB, forked_map, hf_greedy
 from heads import HeadConfig, VerifierSpec, build_head, default_dflash_layers, load_head
 from heads.dflash import DFlashHead
 from infer import generate
+from infer.core.drafter import Budget
 from infer.core.models import tiny_random_model
 from infer.drafting.block_drafter import BlockDrafter
 from infer.drafting.lookup import PromptLookupDrafter
@@ -87,12 +88,12 @@ def test_incremental_context_equals_one_shot_and_training(llama):
     feats = features(llama, ids, head.config.aux_layers)
     a = 11  # the anchor: context 0..10, block starts with token 11
     one = BlockDrafter(head, llama)
-    one.begin(ids[:a], feats[:a])
+    one.begin_row(ids[:a], feats[:a])
     steps = BlockDrafter(head, llama)
-    steps.begin(ids[:5], feats[:5])
+    steps.begin_row(ids[:5], feats[:5])
     steps.block_logits(int(ids[5]))  # a pass in between leaves only committed positions cached
-    steps.update(ids[5:9], feats[5:9])
-    steps.update(ids[9:a], feats[9:a])
+    steps.update_row(ids[5:9], feats[5:9])
+    steps.update_row(ids[9:a], feats[9:a])
     ref = one.block_logits(int(ids[a]))
     torch.testing.assert_close(steps.block_logits(int(ids[a])), ref, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
@@ -114,7 +115,7 @@ def test_hf_layers_reproduce_the_reference_dflash_attention(llama):
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4))
     feats = features(llama, ids, head.config.aux_layers)
     drafter = BlockDrafter(head, llama)
-    drafter.begin(ids, feats)
+    drafter.begin_row(ids, feats)
     ours = drafter.block_logits(5)
     cfg = draft_layers_config(head.config.layer_config, head.config.num_layers)
     cfg._attn_implementation = "eager"
@@ -135,14 +136,14 @@ def test_hf_layers_reproduce_the_reference_dflash_attention(llama):
 
 def test_one_head_pass_and_at_most_one_read_per_step(llama):
     from infer import stream
-    from infer.core.cost import VerifyCost
     from infer.core.diagnostics import HostReadCounter
+    from infer.core.schedule import VerifyCost
 
     ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(0))
     # at the dispatch level: 2 for acceptance (its read back, the accepted tokens' copy) + the chain's
     # cut under a cost curve (one read of the block's probabilities): within "1 per drafted depth + 2"
     for cost, reads in ((None, 2), (VerifyCost((1, 8, 64), (1.0, 1.1, 1.5)), 3)):
-        drafter = BlockDrafter(make_dflash(llama), llama, cost=cost)
+        drafter = BlockDrafter(make_dflash(llama), llama)
         passes = []
 
         def counted(*a, head=drafter.head, passes=passes, **k):
@@ -152,7 +153,7 @@ def test_one_head_pass_and_at_most_one_read_per_step(llama):
         drafter.head.forward = counted
         per_step, last, steps = [], None, 0
         with HostReadCounter() as counter:
-            for _ in stream(llama, drafter, ids, max_new_tokens=20):
+            for _ in stream(llama, drafter, ids, max_new_tokens=20, budget=cost or "fixed"):
                 if last is not None:
                     per_step.append(counter.total - last)
                     steps += 1
@@ -229,34 +230,32 @@ def test_a_block_drafter_that_is_never_accepted_stops_running(llama):
     """With the engine's online cost, the gate pauses a block drafter whose chains do not pay:
     the head stops running (a random head, before the gate: a pass every step, 0.82-0.91x HF
     greedy for the first trained block drafter on Spec-Bench); the output stays the verifier's."""
-    from infer.core.cost import OnlineCost, VerifyCost
+    from infer.core.schedule import OnlineCost, VerifyCost
 
     cost = OnlineCost(VerifyCost((1, 4, 16), (1.0, 1.5, 2.2)))
     for _ in range(5):  # as if the engine had timed a few steps already
         cost.observe(1, 0.010)
-    drafter = BlockDrafter(make_dflash(llama), llama, cost=cost)
+    drafter = BlockDrafter(make_dflash(llama), llama)
     passes = []
     drafter.head.register_forward_pre_hook(lambda m, a: passes.append(1))
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3))
-    res = generate(llama, drafter, ids, max_new_tokens=60)
+    res = generate(llama, drafter, ids, max_new_tokens=60, budget=cost)
     assert res.token_ids == hf_greedy(llama, ids, 60)
     assert res.stats.mean_accepted < 1.2  # a random head: nothing to gain
     assert len(passes) < 0.4 * res.stats.verify_steps, (len(passes), res.stats.verify_steps)
-    state = drafter.state()
-    assert state["paused_steps"] > 0.5 * res.stats.verify_steps and state["gate_gain"] < 1.0
-    union = UnionDrafter([BlockDrafter(make_dflash(llama), llama, cost=cost), PromptLookupDrafter(adaptive=False)])
-    assert generate(llama, union, ids, max_new_tokens=60).token_ids == hf_greedy(llama, ids, 60)
+    union = UnionDrafter([BlockDrafter(make_dflash(llama), llama), PromptLookupDrafter(adaptive=False)])
+    assert generate(llama, union, ids, max_new_tokens=60, budget=cost).token_ids == hf_greedy(llama, ids, 60)
 
 
 def test_the_chain_host_form_is_the_drafted_chain(llama):
     """Under a cost curve the chain's tokens come to the host with its probabilities (one read),
     so merging it with prompt lookup reads nothing more."""
-    from infer.core.cost import VerifyCost
+    from infer.core.schedule import VerifyCost
 
-    drafter = BlockDrafter(make_dflash(llama), llama, cost=VerifyCost((1, 8), (1.0, 1.0)))  # free: the whole chain
+    drafter = BlockDrafter(make_dflash(llama), llama)
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4))
-    drafter.begin(ids, features(llama, ids, drafter.feature_layers))
-    draft = drafter.propose(int(ids[-1]))
+    drafter.begin_row(ids, features(llama, ids, drafter.feature_layers))
+    draft = drafter.propose_row(int(ids[-1]), Budget(8, cost=VerifyCost((1, 8), (1.0, 1.0))))  # free: the whole chain
     tokens, parents = draft.host
     assert list(tokens) == draft.tokens.tolist() and len(tokens) == drafter.block_size
     assert list(parents) == [-1, *range(len(tokens) - 1)]

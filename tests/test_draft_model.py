@@ -67,14 +67,14 @@ def test_union_with_prompt_lookup_is_exact(verifier, other):
 
 
 def test_load_drafter_parses_model_specs(verifier, saved):
-    d = load_drafter(f"model:{saved}", verifier, budget="fixed")
+    d = load_drafter(f"model:{saved}", verifier)
     assert isinstance(d, DraftModelDrafter)
     res = generate(verifier, d, PROMPTS[0], max_new_tokens=N)
     assert res.token_ids == hf_greedy(verifier, PROMPTS[0], N) and res.stats.mean_accepted > 2.5
-    u = load_drafter(f"model:{saved}+pld", verifier, budget="fixed")
+    u = load_drafter(f"model:{saved}+pld", verifier)
     assert isinstance(u, UnionDrafter) and isinstance(u.drafters[0], DraftModelDrafter)
     assert generate(verifier, u, PROMPTS[1], max_new_tokens=N).token_ids == hf_greedy(verifier, PROMPTS[1], N)
-    t = load_drafter(f"model:{saved}", verifier, budget="fixed", tree=DynamicTreeSpec(3, 2, 8))
+    t = load_drafter(f"model:{saved}", verifier, tree=DynamicTreeSpec(3, 2, 8))
     assert t.tree == DynamicTreeSpec(3, 2, 8)
 
 
@@ -83,7 +83,7 @@ def test_vocab_mismatch_is_one_line_before_the_weights(tmp_path, verifier):
     small.save_pretrained(tmp_path / "small")
     (tmp_path / "small" / "model.safetensors").write_bytes(b"not weights")  # never read: the check comes first
     with pytest.raises(UserError, match="vocab size 200 but the verifier has 256") as e:
-        load_drafter(f"model:{tmp_path / 'small'}", verifier, budget="fixed")
+        load_drafter(f"model:{tmp_path / 'small'}", verifier)
     assert "\n" not in str(e.value)
 
 
@@ -94,11 +94,11 @@ def test_token_mismatch_names_the_first_differing_token(tmp_path):
     d.save_pretrained(tmp_path / "d")
     other_tok = byte_tokenizer()
     other_tok.save_pretrained(tmp_path / "d")
-    load_drafter(f"model:{tmp_path / 'd'}", v, budget="fixed", tokenizer=tok)  # same tokens: accepted
+    load_drafter(f"model:{tmp_path / 'd'}", v, tokenizer=tok)  # same tokens: accepted
     data = (tmp_path / "d" / "tokenizer.json").read_text()
     (tmp_path / "d" / "tokenizer.json").write_text(data.replace('"<|im_start|>"', '"<|start|>"'))
     with pytest.raises(UserError, match=r"token '<\|start\|>' at id 256 where the verifier has '<\|im_start\|>'"):
-        load_drafter(f"model:{tmp_path / 'd'}", v, budget="fixed", tokenizer=tok)
+        load_drafter(f"model:{tmp_path / 'd'}", v, tokenizer=tok)
 
 
 @pytest.mark.parametrize("spec, message", [("model:", "needs a directory"), ("model:/nonexistent/dir", "not a local directory")])

@@ -60,7 +60,7 @@ def test_training_changes_only_the_draft_model_and_saves_a_plain_hf_model(tmp_pa
     assisted = verifier.generate(ids, assistant_model=loaded, max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert assisted.tolist() == plain.tolist()
     lv = load_verifier("tiny-random:llama")
-    drafter = load_drafter(f"model:{out}", lv.model, budget="fixed", tokenizer=lv.tokenizer)
+    drafter = load_drafter(f"model:{out}", lv.model, tokenizer=lv.tokenizer)
     res = generate(lv.model, drafter, ids[0], max_new_tokens=24)
     assert res.token_ids == hf_greedy(lv.model, ids[0], 24)
 

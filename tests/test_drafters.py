@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from infer.core.cost import DEFAULT_COST, VerifyCost, best_chain_depth, expected_tokens
-from infer.core.drafter import Draft, Drafter
+from infer.core.drafter import Budget, Draft, RowDrafter
+from infer.core.schedule import DEFAULT_COST, VerifyCost, best_chain_depth, expected_tokens
 from infer.core.tree import DynamicTreeSpec, build_tree
 from infer.drafting.lookup import PromptLookupDrafter
 
@@ -35,11 +35,11 @@ def test_best_depth_grows_with_acceptance():
 def test_lookup_prefers_full_length_continuations():
     d = PromptLookupDrafter(max_ngram=2, min_ngram=1, adaptive=False, tree=DynamicTreeSpec(4, 2, 9))
     ctx = [5, 6, 7, 8, 9, 1, 5, 6, 7, 8, 2, 5]
-    d.begin(torch.tensor(ctx), None)
+    d.begin_row(torch.tensor(ctx), None)
     found = d.continuations(6, depth=4, branches=2)
     # "5 6" occurs twice; the older match has 4 tokens after it, the newer one too: newest first
     assert found[0] == (2, [7, 8, 2, 5]) and found[1] == (2, [7, 8, 9, 1])
-    draft = d.propose(6, max_depth=4)
+    draft = d.propose_row(6, Budget(4))
     assert draft.tokens.tolist() == [6, 7, 8, 2, 5, 9, 1]  # a trie: the shared prefix 7 8 appears once
     assert draft.tree.parents.tolist() == [-1, 0, 1, 2, 3, 2, 5]
 
@@ -49,21 +49,21 @@ def test_lookup_tries_a_long_match_on_a_steep_cost_curve():
     one-token pass: with an even prior no chain paid on such a curve, so prompt lookup never
     drafted and never learnt that the answer copies its context."""
     steep = VerifyCost((1, 2, 4, 8, 16), (1.0, 2.0, 2.1, 2.3, 2.6))
-    d = PromptLookupDrafter(cost=steep)
-    d.begin(torch.tensor([*range(10, 40), 10, 11, 12]), None)  # ends with 10 11 12, seen at the start
-    assert d.propose(13, max_depth=8).tokens.tolist()[:4] == [13, 14, 15, 16]
-    d.begin(torch.tensor([*range(10, 40), 21]), None)  # a 1-gram match only: not worth a pass there
-    assert d.propose(30, max_depth=8).tree.num_nodes == 1
+    d = PromptLookupDrafter()
+    d.begin_row(torch.tensor([*range(10, 40), 10, 11, 12]), None)  # ends with 10 11 12, seen at the start
+    assert d.propose_row(13, Budget(8, cost=steep)).tokens.tolist()[:4] == [13, 14, 15, 16]
+    d.begin_row(torch.tensor([*range(10, 40), 21]), None)  # a 1-gram match only: not worth a pass there
+    assert d.propose_row(30, Budget(8, cost=steep)).tree.num_nodes == 1
 
 
 def test_adaptive_lookup_stops_drafting_what_is_never_accepted():
     d = PromptLookupDrafter()
-    d.begin(torch.tensor([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]), None)
+    d.begin_row(torch.tensor([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]), None)
     sizes = []
     for _ in range(20):  # the verifier rejects every draft: only the root is ever committed
-        draft = d.propose(4, max_depth=8)
+        draft = d.propose_row(4, Budget(8))
         sizes.append(draft.tree.num_nodes)
-        d.update(draft.tokens[:1], None)
+        d.update_row(draft.tokens[:1], None)
     assert sizes[0] > 1
     assert sum(n > 1 for n in sizes[-8:]) <= 1  # it has stopped paying for drafts
 
@@ -71,10 +71,10 @@ def test_adaptive_lookup_stops_drafting_what_is_never_accepted():
 SHORT_PROMPT = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
 
 
-class DrawnDrafter(Drafter):
+class DrawnDrafter(RowDrafter):
     """Reports the q its one child was drawn from."""
 
-    def propose(self, root, *, tree=None, max_depth=8, generator=None):
+    def propose_row(self, root, budget, generator=None):
         q = torch.full((2, 256), 1 / 256)
         return Draft(torch.tensor([root, 7]), build_tree([-1, 0]), q)
 

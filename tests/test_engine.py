@@ -9,7 +9,7 @@ from conftest import VOCAB, hf_greedy
 from infer import PromptLookupDrafter, generate, stream
 from infer.core.errors import UserError
 from infer.core.models import load_verifier, tiny_random_model
-from infer.tools.selfcheck import OracleDrafter
+from infer.testing import OracleDrafter
 
 N_NEW = 40
 
@@ -196,8 +196,8 @@ def test_speculator_from_pretrained_takes_linear_and_draft_dtype():
     from infer.core.errors import UserError
 
     spec = Speculator.from_pretrained("tiny-random:llama", draft="pld", linear="onednn", draft_dtype="bf16")
-    assert spec._verifier.kernel == "onednn"
-    assert Speculator.from_pretrained("tiny-random:llama", draft="none", linear="stock")._verifier.kernel == "stock"
+    assert spec.engine.verifier.kernel == "onednn"
+    assert Speculator.from_pretrained("tiny-random:llama", draft="none", linear="stock").engine.verifier.kernel == "stock"
     with pytest.raises(UserError, match="CPU kernel"):
         Speculator.from_pretrained("tiny-random:llama", draft="none", device="cuda", linear="onednn")
     with pytest.raises(UserError):

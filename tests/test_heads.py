@@ -203,16 +203,16 @@ def test_auto_draft_picks_the_shipped_heads_of_this_verifier(tmp_path, monkeypat
     monkeypatch.setattr(heads.io, "PRETRAINED_DIR", tmp_path)
     assert heads.io.pretrained_names() == ["for-llama", "for-qwen"]
     assert heads.io.pretrained_for(llama) == ["for-llama"]
-    d = load_drafter("auto", llama, tree=None, budget="fixed")
+    d = load_drafter("auto", llama, tree=None)
     assert isinstance(d, UnionDrafter) and isinstance(d.drafters[0], EagleDrafter) and isinstance(d.drafters[1], PromptLookupDrafter)
-    assert isinstance(load_drafter("auto", tiny_random_model("mistral"), tree=None, budget="fixed"), PromptLookupDrafter)
+    assert isinstance(load_drafter("auto", tiny_random_model("mistral"), tree=None), PromptLookupDrafter)
     with pytest.raises(UserError, match="trained for"):
-        load_drafter("for-qwen", llama, tree=None, budget="fixed")  # a shipped head by name, wrong verifier
+        load_drafter("for-qwen", llama, tree=None)  # a shipped head by name, wrong verifier
     from infer.core.tree import load_tree_spec
 
-    static = load_drafter("auto", llama, tree=load_tree_spec("chain-4"), budget="fixed")  # a static tree: not for EAGLE
+    static = load_drafter("auto", llama, tree=load_tree_spec("chain-4"))  # a static tree: not for EAGLE
     assert static.drafters[0].tree != load_tree_spec("chain-4") and static.drafters[1].tree == load_tree_spec("chain-4")
-    dynamic = load_drafter("auto", llama, tree=load_tree_spec("eagle2-32"), budget="fixed")
+    dynamic = load_drafter("auto", llama, tree=load_tree_spec("eagle2-32"))
     assert dynamic.drafters[0].tree == load_tree_spec("eagle2-32")
 
 

@@ -13,8 +13,8 @@ from infer.core.errors import UserError
 from infer.core.models import tiny_random_model
 from infer.core.tree import build_tree
 from infer.core.verifier import Verifier
+from infer.testing import OracleDrafter
 from infer.tools.cli import bench_kernels
-from infer.tools.selfcheck import OracleDrafter
 
 pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN float32 linear")
 

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 from conftest import forked_map
 from infer import generate
 from infer.core.accept import warp_probs
-from infer.core.drafter import Draft, Drafter
+from infer.core.drafter import Draft, RowDrafter
 from infer.core.models import tiny_random_model
 from infer.core.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
 
@@ -44,7 +44,7 @@ def exact_joint(model, temperature, top_k, top_p) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-class FixedQDrafter(Drafter):
+class FixedQDrafter(RowDrafter):
     """Draws a two-branch tree of depth 2 from a fixed q (very unlike p), and reports q honestly.
 
     ``honest=False`` reports a uniform q instead of the one it drew from: the acceptance ratio
@@ -55,7 +55,7 @@ class FixedQDrafter(Drafter):
         self.q, self.mode, self.honest = q, mode, honest
         self.tree = build_tree([-1, 0, 0, 1, 2])
 
-    def propose(self, root, *, tree=None, max_depth=8, generator=None):
+    def propose_row(self, root, budget, generator=None):
         if self.mode == "dynamic":
             logq = self.q.log()
             t = grow_dynamic_tree(lambda ids, parents, toks: logq.expand(len(ids), -1), root,
@@ -85,10 +85,10 @@ def tally(samples, n_tokens: int = 3) -> torch.Tensor:
     return counts
 
 
-def spec_counts(model, drafter, temperature, top_k, top_p) -> torch.Tensor:
+def spec_counts(model, drafter, temperature, top_k, top_p, budget="fixed") -> torch.Tensor:
     def draw(seed):
         return generate(model, drafter, PROMPT, max_new_tokens=3, temperature=temperature,
-                        top_k=top_k, top_p=top_p, seed=seed).token_ids
+                        top_k=top_k, top_p=top_p, seed=seed, budget=budget).token_ids
 
     return tally(forked_map(draw, range(N_SAMPLES)))
 
@@ -110,6 +110,7 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 Q_FAR = torch.tensor([0.02, 0.02, 0.3, 0.02, 0.3, 0.02, 0.3, 0.02])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, temperature, top_k, top_p",
     [
@@ -125,11 +126,13 @@ def test_speculative_sampling_matches_plain_sampling(small_vocab_model, mode, te
     assert counts[probs == 0].sum() == 0  # never a token that top-k/top-p excludes
 
 
+@pytest.mark.slow
 def test_plain_sampling_through_the_engine_matches(small_vocab_model):
     probs = exact_joint(small_vocab_model, 1.0, 0, 1.0)
     assert chi_square_pvalue(spec_counts(small_vocab_model, None, 1.0, 0, 1.0), probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_chi_square_test_catches_a_wrong_q(small_vocab_model):
     probs = exact_joint(small_vocab_model, 1.0, 0, 1.0)
     counts = spec_counts(small_vocab_model, FixedQDrafter(Q_FAR, "iid", honest=False), 1.0, 0, 1.0)
@@ -177,11 +180,12 @@ def _first_tokens(draft_fn, n=N_STEP) -> torch.Tensor:
 
 
 def _step_cost():
-    from infer.core.cost import VerifyCost
+    from infer.core.schedule import VerifyCost
 
     return VerifyCost((1, 2, 3, 4, 8), (1.0, 1.25, 1.6, 2.2, 4.0))
 
 
+@pytest.mark.slow
 def test_the_cost_budget_keeps_sampling_exact():
     """The project's own tree growth with the cost budget, one verify step, 20,000 draws: the
     first token follows p. The tree is the draft's top tokens, chosen whatever their values:
@@ -194,6 +198,7 @@ def test_the_cost_budget_keeps_sampling_exact():
     assert chi_square_pvalue(counts, P_STEP) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_budget_chosen_from_drawn_tokens_is_caught():
     """Negative control: children *drawn* from q (Gumbel-top-k, with their real q), then as many
     kept as their drawn probabilities pay for, as the engine did before: the kept set depends on
@@ -223,18 +228,19 @@ def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model)
     """The EAGLE drafter's real path (tree growth, calibration, the cost budget, the pause when
     drafting does not pay) on a tiny model, 20,000 three-token samples, against the exact joint."""
     from heads import HeadConfig, VerifierSpec, build_head
-    from infer.core.cost import VerifyCost
+    from infer.core.schedule import VerifyCost
     from infer.drafting.head_drafters import EagleDrafter
 
     m = small_vocab_model
     cfg = HeadConfig("eagle3", VerifierSpec.of(m), draft_vocab_size=V, aux_layers=(0, 1, 2), layer_config=m.config.to_dict())
     torch.manual_seed(5)
     head = build_head(cfg)
-    drafter = EagleDrafter(head, m, DynamicTreeSpec(depth=2, top_k=3, num_nodes=6), cost=VerifyCost((1, 2, 3, 4, 8), (1.0, 1.1, 1.3, 1.6, 2.5)))
+    drafter = EagleDrafter(head, m, DynamicTreeSpec(depth=2, top_k=3, num_nodes=6))
+    curve = VerifyCost((1, 2, 3, 4, 8), (1.0, 1.1, 1.3, 1.6, 2.5))
     probs = exact_joint(m, 1.0, 0, 1.0)
 
     def draw(seed):
-        res = generate(m, drafter, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
+        res = generate(m, drafter, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed, budget=curve)
         return res.token_ids, [n for n, k in enumerate(res.stats.nodes_hist) if k]
 
     samples = forked_map(draw, range(20_000))
@@ -264,20 +270,22 @@ def exact_joint_n(model, n: int, temperature: float = 1.0) -> torch.Tensor:
 @pytest.mark.slow
 def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypatch):
     """``auto``'s union (an EAGLE-3 head and prompt lookup) with depth-3 dynamic trees, pruning,
-    the gate and an :class:`~infer.core.cost.OnlineCost` that the engine feeds every verify step (its
+    the gate and an :class:`~infer.core.schedule.OnlineCost` that the engine feeds every verify step (its
     clock replaced by a fixed function of the node count, so that the machine's load cannot
     change which trees are drafted), 8,000 five-token samples against the exact joint of five
-    tokens: the second step may verify three drafted levels. The gate starts each generation at
-    an average gain of 1.0 instead of 1.2, so that one losing step pauses the head: in five tokens
+    tokens: the second step may verify three drafted levels. One long-lived engine per process
+    (its schedule learns the drafter's cost, as an application's does). A row's gate starts at an
+    average gain of 1.0 instead of 1.2, so that one losing step pauses the head: in five tokens
     the shipped start pauses only on rare samples, and the paused path must be sampled too."""
     from heads import HeadConfig, VerifierSpec, build_head
-    from infer.core.cost import OnlineCost, VerifyCost
-    from infer.drafting.gate import Gate
+    from infer.core.engine import Engine
+    from infer.core.params import SamplingParams
+    from infer.core.schedule import Gate, OnlineCost, Schedule, VerifyCost
     from infer.drafting.head_drafters import EagleDrafter
     from infer.drafting.lookup import PromptLookupDrafter
     from infer.drafting.union import UnionDrafter
 
-    monkeypatch.setattr(Gate, "new", classmethod(lambda cls, device=None, start=1.0: cls(float(start))))
+    monkeypatch.setattr(Schedule, "gate", lambda self, sampled: Gate(1.0))
 
     curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.05, 1.15, 1.4, 2.0))
 
@@ -290,14 +298,19 @@ def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypat
     torch.manual_seed(5)
     head = build_head(cfg)
     cost = ClockedCost(curve)
-    eagle = EagleDrafter(head, m, DynamicTreeSpec(depth=3, top_k=3, num_nodes=10), cost=cost)
-    drafter = UnionDrafter([eagle, PromptLookupDrafter(cost=cost)])
+    eagle = EagleDrafter(head, m, DynamicTreeSpec(depth=3, top_k=3, num_nodes=10))
+    engine = Engine(m, UnionDrafter([eagle, PromptLookupDrafter()]), budget=cost)
     probs = exact_joint_n(m, 5)
     assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
 
     def draw(seed):
-        res = generate(m, drafter, PROMPT, max_new_tokens=5, temperature=1.0, seed=seed)
-        return res.token_ids, bool(eagle.gates.current.paused), len(res.stats.nodes_hist) - 1, cost.seconds_per_token is not None
+        engine.add(PROMPT, SamplingParams(max_new_tokens=5, temperature=1.0, seed=seed))
+        tokens, stats = [], None
+        for chunk in engine.run():
+            tokens += chunk.token_ids
+            stats = chunk.stats
+        paused = bool(engine.schedule._sampled_gate.paused)
+        return tokens, paused, len(stats.nodes_hist) - 1, cost.seconds_per_token is not None
 
     samples = forked_map(draw, range(N_DEEP))  # each process's drafter and cost curve learn on their own
     paused = sum(s[1] for s in samples)

@@ -228,9 +228,9 @@ def test_a_prompt_beyond_the_context_is_a_400(server, tiny):
 class SlowPlainDrafter(NoDrafter):
     """Plain decoding, 20 ms a step: a request of 400 tokens runs for 8 s at least."""
 
-    def propose(self, root, *, tree=None, max_depth=0, generator=None):
+    def propose(self, requests):
         time.sleep(0.02)
-        return super().propose(root, tree=tree, max_depth=max_depth, generator=generator)
+        return super().propose(requests)
 
 
 def test_a_full_queue_is_a_429_and_a_client_that_leaves_frees_its_row(tiny):

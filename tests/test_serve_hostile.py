@@ -332,7 +332,7 @@ def test_a_tree_goes_to_the_drafter_that_grows_it_and_a_wrong_one_is_refused_at_
     torch.manual_seed(0)
     build_head(cfg).save_pretrained(tmp_path / "tiny")
     monkeypatch.setattr(heads.io, "PRETRAINED_DIR", tmp_path)
-    drafter = load_drafter("auto", model, tree=load_tree_spec("chain:4"), budget="fixed")
+    drafter = load_drafter("auto", model, tree=load_tree_spec("chain:4"))
     assert [type(d).__name__ for d in drafter.drafters] == ["EagleDrafter", "PromptLookupDrafter"]
     limits = Limits(max_rows=2, max_queue=2, max_tokens=16)
     with Running(build_app(model, tiny.tokenizer, drafter, name=NAME, limits=limits), limits) as s:

@@ -68,7 +68,7 @@ def test_head_saved_by_speculators_imports_with_its_logits(model):
 
 
 def test_head_saved_by_speculators_drafts_through_load_drafter(model):
-    drafter = load_drafter(str(FIXTURES / "speculators_head"), model, budget="fixed")
+    drafter = load_drafter(str(FIXTURES / "speculators_head"), model)
     ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
     out = generate(model, drafter, ids, max_new_tokens=24)
     assert out.token_ids == hf_greedy(model, ids, 24)

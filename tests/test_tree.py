@@ -137,7 +137,7 @@ def test_dynamic_tree_always_a_valid_tree(depth, k, n, seed):
 
 
 def test_auto_budget_follows_the_verify_cost():
-    from infer.core.cost import VerifyCost
+    from infer.core.schedule import VerifyCost
     from infer.core.tree import best_budget
 
     flat = VerifyCost((1, 64), (1.0, 1.0))
@@ -159,7 +159,7 @@ def test_auto_budget_follows_the_verify_cost():
 @given(st.integers(2, 6), st.integers(1, 4), st.integers(2, 24), st.integers(0, 1000), st.floats(0.3, 6.0),
        st.sampled_from(["fixed", "flat", "mid", "steep"]))
 def test_pruned_drafting_gives_the_same_tree_with_fewer_passes(depth, k, n, seed, sharpness, cost_name):
-    from infer.core.cost import VerifyCost
+    from infer.core.schedule import VerifyCost
 
     cost = {"fixed": None, "flat": VerifyCost((1, 64), (1.0, 1.05)), "mid": VerifyCost((1, 4, 8, 16, 32), (1.0, 1.55, 1.9, 2.2, 2.6)),
             "steep": VerifyCost((1, 2, 64), (1.0, 1.8, 40.0))}[cost_name]
@@ -181,7 +181,7 @@ def test_pruned_drafting_gives_the_same_tree_with_fewer_passes(depth, k, n, seed
 
 
 def test_pruning_skips_depths_that_cannot_pay():
-    from infer.core.cost import VerifyCost
+    from infer.core.schedule import VerifyCost
 
     table = torch.full((20, 20), -8.0)
     table[:, 0] = 0.0  # token 0 is certain; everything else is ~e^-8 (log-probs need not normalise here)

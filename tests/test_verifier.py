@@ -12,7 +12,7 @@ from infer.core.errors import UserError
 from infer.core.models import tiny_random_model
 from infer.core.tree import build_tree
 from infer.core.verifier import ReservedCache, ReservedLayer, Verifier
-from infer.tools.selfcheck import OracleDrafter
+from infer.testing import OracleDrafter
 
 
 @st.composite

@@ -1,18 +1,19 @@
-"""The drafter interface: what proposes the token tree that the verifier checks.
+"""The drafter interface: what proposes the token trees that the verifier checks.
 
-The interface, in the spirit of HF's ``CandidateGenerator``:
+The engine owns scheduling; a drafter proposes. In the spirit of HF's ``CandidateGenerator``, the
+engine calls, for all the rows of a step at once:
 
-* :meth:`Drafter.begin` - a new generation starts: the prompt and the verifier's features for it;
-* :meth:`Drafter.propose` - draft a tree rooted at the newest token;
-* :meth:`Drafter.update` - these tokens (root + accepted drafts) are now committed, with the
-  verifier's features at each of them;
-* :meth:`Drafter.observe_verify` - the engine timed a verify pass over so many rows (batch x
-  tree nodes; drafters whose cost curve learns from it pass it on);
-* :meth:`Drafter.spawn` - a drafter for one more concurrent generation (a batch row): the same
-  weights and verify-cost curve, its own per-generation state;
-* :meth:`Drafter.set_params` - the sampling parameters of the generation about to begin;
-* :meth:`Drafter.set_cost` - the verify-cost curve to size trees by from now on (the engine
-  gives each row the curve as seen from a batch of its size, see :class:`~infer.core.cost.BatchCost`).
+* :meth:`Drafter.begin` - rows join: each row's prompt, the verifier's features there and its
+  sampling parameters (:class:`RowStart`);
+* :meth:`Drafter.propose` - one tree per drafting row, rooted at its newest token, within the
+  :class:`Budget` the engine gives it (:class:`Request`);
+* :meth:`Drafter.update` - what each row committed since (its root, then what was accepted),
+  with the verifier's features there (:class:`Accepted`);
+* :meth:`Drafter.end` - rows left.
+
+Nothing else crosses: the engine times the proposals and prices the next budgets by them
+(:mod:`infer.core.schedule`). A head can draft every row of a step in one batched computation;
+drafters written one row at a time subclass :class:`RowDrafter`, which keeps one copy per row.
 
 Drafters that need the verifier's hidden states list the layers in ``feature_layers``
 (indices into HF's ``hidden_states`` tuple). The drafters themselves live in
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -124,77 +126,153 @@ def root_only(root: int, device=None) -> Draft:
     return Draft(torch.full((1,), int(root), dtype=torch.long, device=dev), _single(str(dev)), host=((int(root),), (-1,)))
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What the engine allows one row's draft this step.
+
+    ``depth``: the deepest node (the row's token limit leaves no more); ``nodes``: the most nodes,
+    root included (None: the drafter's tree); ``cost``: the price of a draft of ``n`` nodes in
+    plain steps of this row, drafting included (:class:`~infer.core.schedule.Price`), that a
+    drafter maximises expected tokens per unit of (None: no sizing, the tree as it is)."""
+
+    depth: int
+    nodes: int | None = None
+    cost: Callable[[int], float] | None = None
+
+
+@dataclass(frozen=True)
+class RowStart:
+    """A row joins: ``prompt_ids [L]`` (host), the verifier's ``features [L, F, H]`` there (or
+    None) and its :class:`~infer.core.params.SamplingParams`."""
+
+    slot: int
+    prompt_ids: torch.Tensor
+    features: torch.Tensor | None
+    params: object
+
+
+@dataclass(frozen=True)
+class Request:
+    """Draft for row ``slot`` a tree rooted at token ``root`` within ``budget``; ``generator`` is
+    given when the row samples (drafters that draw children use it and report ``q``)."""
+
+    slot: int
+    root: int
+    budget: Budget
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Row ``slot`` committed ``tokens [k]`` (a host tensor: its root, then the accepted drafts);
+    ``features [k, F, H]``: the verifier's hidden states there (or None)."""
+
+    slot: int
+    tokens: torch.Tensor
+    features: torch.Tensor | None
+
+
 class Drafter(ABC):
     """Base class of all drafters (see the module docstring for the protocol)."""
 
     feature_layers: tuple[int, ...] = ()
     tree: TreeSpec | None = None
-    #: the verify-cost curve that sizes this drafter's trees (a :class:`~infer.core.cost.VerifyCost`
-    #: or a learning :class:`~infer.core.cost.OnlineCost`), or None
-    cost = None
-
-    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
-        """A generation starts. ``prompt_ids``: ``[L]``; ``features``: ``[L, F, H]`` or None."""
 
     @abstractmethod
-    def propose(
-        self, root: int, *, tree: TreeSpec | None, max_depth: int, generator: torch.Generator | None
-    ) -> Draft:
-        """Draft a tree of depth at most ``max_depth`` rooted at token ``root``.
+    def begin(self, rows: Sequence[RowStart]) -> None:
+        """These rows join."""
 
-        ``tree`` overrides the drafter's default shape; ``generator`` is given when sampling
-        (drafters that draw children from their distribution use it and report ``q``).
-        """
+    @abstractmethod
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
+        """One draft per request, in order (a row whose draft is just its root decodes plainly)."""
 
-    def update(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
-        """``tokens`` ``[k]`` (root, then accepted drafts) entered the verifier's cache;
-        ``features`` ``[k, F, H]`` are the verifier's hidden states there."""
+    @abstractmethod
+    def update(self, accepted: Sequence[Accepted]) -> None:
+        """What these rows committed since they last drafted or joined."""
 
-    def observe_verify(self, nodes: int, seconds: float) -> None:
-        """The engine timed a verify pass over ``nodes`` tree nodes: ``seconds`` (host floats).
-        A cost curve that learns (:class:`~infer.core.cost.OnlineCost`) takes it in; a plain
-        callable curve learns nothing."""
-        observe = getattr(self.cost, "observe", None)
-        if observe is not None:
-            observe(nodes, seconds)
-
-    def spawn(self) -> Drafter:
-        """A drafter for another generation running at the same time (a row of a batch): it shares
-        what is heavy or learnt across generations (weights, the verify-cost curve) and has its own
-        per-generation state. The default deep-copies the drafter and shares its ``cost``; drafters
-        that hold weights override it."""
-        return copy.deepcopy(self, memo={id(self.cost): self.cost})
-
-    def set_params(self, params) -> None:
-        """The sampling parameters (:class:`~infer.core.params.SamplingParams`) of the generation
-        about to :meth:`begin`: a drafter that draws its tokens from a distribution warps it as the
-        verifier's is warped (temperature, top-k, top-p). Others ignore them."""
-
-    def set_cost(self, cost) -> None:
-        """Size trees by ``cost`` from now on (a drafter that sizes none ignores it)."""
-        if self.cost is not None:
-            self.cost = cost
-
-    def batch_policy(self, make):
-        """Whether a batched step drafts, as measured with this drafter (what ``make()`` builds, a
-        :class:`~infer.core.cost.SpecPolicy` in the engine): made at first use and kept, so that
-        every batch this drafter drafts for starts from what the last one measured (as its cost
-        curve does)."""
-        if self.__dict__.get("_batch_policy") is None:
-            self._batch_policy = make()
-        return self._batch_policy
+    def end(self, slots: Sequence[int]) -> None:
+        """These rows left."""
 
     def state(self) -> dict:
-        """What the drafter has learnt so far in this generation, for benchmark records (JSON;
-        reads device values, so call it between generations, not in the decoding loop)."""
+        """What the drafter has learnt so far, for benchmark records (JSON; reads device values,
+        so call it between generations, not in the decoding loop)."""
         return {}
+
+
+class RowDrafter(Drafter):
+    """A drafter written for one row at a time: every joining row gets its own copy
+    (:meth:`spawn`, sharing the weights), and the engine's batched calls go to those copies in
+    turn. Subclasses implement :meth:`begin_row`, :meth:`propose_row` and :meth:`update_row`."""
+
+    def _row_copies(self) -> dict[int, RowDrafter]:
+        rows = self.__dict__.get("_rows")
+        if rows is None:
+            rows = self._rows = {}
+        return rows
+
+    def row(self, slot: int) -> RowDrafter:
+        """Row ``slot``'s copy (for tests and inspection)."""
+        return self._row_copies()[slot]
+
+    def spawn(self) -> RowDrafter:
+        """A copy for one more row: what is heavy or learnt across rows is shared, per-row state is
+        its own. The default deep-copies the drafter; drafters that hold weights override it."""
+        return copy.deepcopy(self, memo={id(self._row_copies()): {}})
+
+    def begin(self, rows: Sequence[RowStart]) -> None:
+        copies = self._row_copies()
+        for r in rows:
+            copies[r.slot] = self.spawn()
+            copies[r.slot].begin_row(r.prompt_ids, r.features, r.params)
+
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
+        copies = self._row_copies()
+        return [copies[q.slot].propose_row(q.root, q.budget, q.generator) for q in requests]
+
+    def update(self, accepted: Sequence[Accepted]) -> None:
+        copies = self._row_copies()
+        for a in accepted:
+            copies[a.slot].update_row(a.tokens, a.features)
+
+    def end(self, slots: Sequence[int]) -> None:
+        copies = self._row_copies()
+        for s in slots:
+            copies.pop(s, None)
+
+    def begin_row(self, prompt_ids: torch.Tensor, features: torch.Tensor | None, params) -> None:
+        """This copy's row starts. ``prompt_ids``: ``[L]``; ``features``: ``[L, F, H]`` or None."""
+
+    @abstractmethod
+    def propose_row(self, root: int, budget: Budget, generator: torch.Generator | None) -> Draft:
+        """Draft a tree rooted at token ``root`` within ``budget`` (depth at most ``budget.depth``)."""
+
+    def update_row(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        """``tokens`` ``[k]`` (root, then accepted drafts) entered the verifier's cache;
+        ``features`` ``[k, F, H]`` are the verifier's hidden states there."""
 
 
 class NoDrafter(Drafter):
     """Plain decoding through the speculative engine: every tree is just the root."""
 
-    def spawn(self) -> NoDrafter:
-        return self  # stateless
+    def begin(self, rows) -> None:
+        pass
 
-    def propose(self, root, *, tree=None, max_depth=0, generator=None) -> Draft:
-        return root_only(root)
+    def propose(self, requests) -> list[Draft]:
+        return [root_only(q.root) for q in requests]
+
+    def update(self, accepted) -> None:
+        pass
+
+
+def accepted_on_host(tokens: tuple[int, ...], parents: tuple[int, ...], committed: list[int]) -> int:
+    """How many nodes of a draft (its host form: ``tokens``, ``parents``; node 0 the root) the
+    ``committed`` tokens (its root, then what was accepted, by this draft or another drafter's)
+    follow: no device read."""
+    children = {(p, tok): i for i, (p, tok) in enumerate(zip(parents, tokens))}
+    node, accepted = 0, 0
+    for tok in committed[1:]:
+        node = children.get((node, tok))
+        if node is None:
+            break
+        accepted += 1
+    return accepted

@@ -1,9 +1,10 @@
 """The speculative decoding loop: ``generate`` and ``stream``, for one prompt or a batch, and the
 continuous-batching :class:`Engine` under both (and under ``specheads serve``).
 
-Each step: every row's drafter proposes a tree rooted at its newest token, the verifier scores
-all rows' nodes in one masked forward pass, an acceptance rule keeps each row's longest valid path
-plus the verifier's own bonus token, and the KV cache keeps exactly those paths. Rows join at a
+Each step: the schedule gives every row a budget, the drafter proposes a tree for each drafting
+row (rooted at its newest token) in one call, the verifier scores all rows' nodes in one masked
+forward pass, an acceptance rule keeps each row's longest valid path plus the verifier's own
+bonus token, and the KV cache keeps exactly those paths. Rows join at a
 step boundary and leave when they end. Greedy output is token
 for token the verifier's plain greedy output; sampled output follows the verifier's own sampling
 distribution exactly (``acceptance="typical"`` is the documented lossy exception).
@@ -32,11 +33,10 @@ from .accept import (
     warp_probs,
 )
 from .batch import TreeBatch, prefill_groups, stack_drafts
-from .cost import ALL, ONE, BatchCost, SpecPolicy
-from .drafter import Draft, Drafter, NoDrafter, host_draft
+from .drafter import Accepted, Draft, Drafter, NoDrafter, Request, RowStart, host_draft
 from .errors import UserError
 from .params import MAX_SEED, SamplingParams
-from .tree import TreeSpec
+from .schedule import Gate, RowView, Schedule, SpecPolicy, StepRecord, probe_cost
 from .verifier import Verifier
 
 
@@ -201,11 +201,11 @@ def stream(
     acceptance: str = _UNSET,
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     generator: torch.Generator | None = None,
-    tree: TreeSpec | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     stop: Sequence[str] | None = None,
     tokenizer=None,
     max_batch: int = 64,
+    budget="fixed",
 ) -> Iterator[Chunk]:
     """Speculative generation, yielding each step's accepted tokens as a :class:`Chunk`.
 
@@ -229,21 +229,31 @@ def stream(
         acceptance: ``"exact"`` (lossless, default) or ``"typical"`` (Medusa typical acceptance, lossy).
         params: ``max_new_tokens`` .. ``acceptance`` as one :class:`~infer.core.params.SamplingParams`
             (a batch may give one per prompt); giving both ``params`` and any of those is refused.
-        tree: overrides the drafter's tree shape.
         eos_token_id: token id(s) that end generation (included in the output, as in HF).
         stop: a string, or strings, that end generation once the decoded output contains one
             (needs ``tokenizer``); the output ends with the token that completed the stop string.
         max_batch: rows decoded at once; a longer batch waits and joins as rows end.
+        budget: how drafts are sized (:class:`Engine`): ``"fixed"`` (default), ``"auto"`` (probe the
+            verifier first, then learn) or a cost curve. An application that generates again and
+            again keeps one :class:`Engine` (or a :class:`~infer.speculator.Speculator`), so that
+            what it learns persists.
     """
     given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                  acceptance=acceptance)
-    engine = Engine(verifier, drafter, tree=tree, max_rows=max_batch, spawn=is_batch(input_ids))
+    engine = Engine(verifier, drafter, max_rows=max_batch, budget=budget)
+    queue(engine, input_ids, params, generator=generator, eos_token_id=eos_token_id, stop=stop, tokenizer=tokenizer, **given)
+    return engine.run()
+
+
+def queue(engine: Engine, input_ids, params=None, *, generator=None, eos_token_id=None, stop=None, tokenizer=None,
+          **given) -> list[int]:
+    """Queue one prompt or a batch on ``engine`` as :func:`stream` takes them (``given``: its
+    sampling keyword arguments, those not ``_UNSET``); the rows' indices, in prompt order."""
     if not is_batch(input_ids):
         if isinstance(params, (list, tuple)):
             raise UserError("one prompt takes one SamplingParams, not a list")
-        engine.add(input_ids, sampling_params(params, **given), eos_token_id=eos_token_id, stop=stop,
-                   tokenizer=tokenizer, generator=generator)
-        return engine.run()
+        return [engine.add(input_ids, sampling_params(params, **given), eos_token_id=eos_token_id, stop=stop,
+                           tokenizer=tokenizer, generator=generator)]
     prompts = batch_prompts(input_ids)
     if isinstance(params, (list, tuple)):
         if given and any(v is not _UNSET for v in given.values()):
@@ -254,6 +264,7 @@ def stream(
     else:
         one = sampling_params(params, **given)
         per_row = [one] * len(prompts)
+    indices = []
     for i, (ids, p) in enumerate(zip(prompts, per_row)):
         if p.seed is not None and not p.greedy:
             p = SamplingParams(p.max_new_tokens, p.temperature, p.top_p, p.top_k, (p.seed + i) % (MAX_SEED + 1), p.acceptance)
@@ -261,8 +272,8 @@ def stream(
         if generator is not None:
             row_gen = torch.Generator(device=generator.device).manual_seed(
                 int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item()))
-        engine.add(ids, p, eos_token_id=eos_token_id, stop=stop, tokenizer=tokenizer, generator=row_gen)
-    return engine.run()
+        indices.append(engine.add(ids, p, eos_token_id=eos_token_id, stop=stop, tokenizer=tokenizer, generator=row_gen))
+    return indices
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -304,36 +315,66 @@ def sampling_generator(device, seed: int | None, generator: torch.Generator | No
 
 @dataclass
 class _Row:
-    """One generation in the batch: its drafter, stop rule, randomness and running stats."""
+    """One generation in the batch: its stop rule, randomness, gate and running stats."""
 
-    index: int
+    index: int  # its slot: the Chunk.index of its output, and the drafter's name for it
     ids: torch.Tensor
-    drafter: Drafter
     stopper: _Stopper
     params: SamplingParams
     generator: torch.Generator | None  # for drafts that carry q, and typical acceptance
     seed: int = 0  # keys the row's sampling noise (with the position)
     key: torch.Tensor | None = None  # ``seed`` as a ``[1]`` int64 tensor on the device (copied there once)
+    gate: Gate = field(default_factory=Gate)
     stats: GenerationStats = field(default_factory=GenerationStats)
     root: int = 0
     t_decode: float = 0.0
     cancelled: bool = False
     held_tokens: list[int] = field(default_factory=list)  # committed in plain steps, not yet given to the drafter
     held_features: list = field(default_factory=list)  # their verifier features, ``[F, H]`` each (or None)
-    warm: bool = True  # prefilled with the drafter's features; a cold row never drafts
+    warm: bool = True  # prefilled with the drafter's features and begun by it; a cold row never drafts
 
-    def hand_over(self) -> None:
-        """Give the drafter what plain steps committed since it last saw the context (one
-        :meth:`~infer.core.drafter.Drafter.update` for them all)."""
+    def hand_over(self) -> Accepted | None:
+        """What plain steps committed since the drafter last saw this row (None: nothing)."""
         if not self.held_tokens:
-            return
+            return None
         feats = torch.stack(self.held_features) if self.held_features[0] is not None else None
-        self.drafter.update(torch.tensor(self.held_tokens, dtype=torch.long), feats)
+        out = Accepted(self.index, torch.tensor(self.held_tokens, dtype=torch.long), feats)
         self.held_tokens, self.held_features = [], []
+        return out
 
     @property
     def greedy(self) -> bool:
         return self.params.greedy
+
+    @property
+    def left(self) -> int:
+        """Tokens it may still emit."""
+        return self.stopper.max_new - len(self.stopper.tokens)
+
+
+@dataclass
+class StepReport:
+    """What one :meth:`Engine.step` did: its chunks, and for metrics its ``kind`` (``"join"``:
+    queued rows were prefilled; ``"decode"``: the running rows took a speculative step;
+    ``"idle"``), the rows it ran, their tree sizes and how many drafted."""
+
+    chunks: list[Chunk]
+    kind: str = "idle"
+    rows: int = 0
+    sizes: tuple[int, ...] = ()
+    drafted: int = 0
+
+
+def schedule_for(verifier: Verifier, budget, policy=None) -> Schedule:
+    """The schedule of an engine: ``budget`` ``"fixed"`` (drafts keep their size), ``"auto"``
+    (the verifier's cost curve probed now, then learnt step by step) or a cost curve."""
+    if isinstance(budget, str):
+        if budget not in ("auto", "fixed"):
+            raise UserError(f"budget must be 'auto' or 'fixed', not {budget!r}")
+        cost = probe_cost(verifier) if budget == "auto" else None
+    else:
+        cost = budget
+    return Schedule(cost, policy)
 
 
 class Engine:
@@ -341,47 +382,48 @@ class Engine:
 
     :meth:`add` queues a generation; :meth:`step` runs one pass: the queued generations join
     (their prompts prefilled in left-padded passes, one per group of like lengths, their first
-    tokens returned), or, when none waits, every running row is drafted, verified in one masked pass and accepted; rows that end
-    (eos, a stop string, their token limit, :meth:`cancel`) leave the batch. One engine owns its
-    verifier's KV cache: drive it from one thread.
+    tokens returned), or, when none waits, every running row is drafted, verified in one masked
+    pass and accepted; rows that end (eos, a stop string, their token limit, :meth:`cancel`)
+    leave the batch. One engine owns its verifier's KV cache: drive it from one thread. Keep
+    one for as long as the application generates: its :class:`~infer.core.schedule.Schedule`
+    learns the costs as it goes.
 
-    Each row has its own drafter: the engine's own for a single generation (``spawn=False``, so a
-    drafter's learning carries over from one call to the next), else ``drafter.spawn()`` per row.
-    Rows size their trees by the verify-cost curve as a batch of the current size sees it
-    (:class:`~infer.core.cost.BatchCost`): trees shrink as the batch grows, and drafting stops
-    where it cannot pay; and a batch drafts only while drafting has measured faster than plain
-    decoding at its size (:class:`~infer.core.cost.SpecPolicy`, dynamic speculation). Rows that
-    join where the policy keeps more coming steps plain than they can live
-    (:meth:`~infer.core.cost.SpecPolicy.quiet_steps`) are *cold*: prefilled without the drafter's
-    features, their drafter never begun, they decode plainly to their end (probes take warm rows).
+    The engine owns scheduling (:class:`~infer.core.schedule.Schedule`); the drafter proposes for
+    all the drafting rows of a step in one call, each within the budget it is given, and is told
+    what was accepted (:mod:`infer.core.drafter`). Budgets price a draft by the verify cost of a
+    batch of the current size (trees shrink as the batch grows) plus the drafter's own measured
+    cost, and a batch drafts only while drafting has measured faster than plain decoding at its
+    size (:class:`~infer.core.schedule.SpecPolicy`). Rows that join where the policy keeps more
+    coming steps plain than they can live are *cold*: prefilled without the drafter's features,
+    never begun by it, they decode plainly to their end.
 
     Args:
         verifier: a :class:`~infer.core.verifier.Verifier` or an HF causal LM.
         drafter: the drafter (``None``: plain decoding through the same loop).
-        tree: overrides the drafter's tree shape.
         max_rows: rows decoded at once; more wait in the queue.
-        spawn: give every row a drafter of its own (``drafter.spawn()``).
-        policy: whether a batched step drafts at all (default: the drafter's
-            :meth:`~infer.core.drafter.Drafter.batch_policy`, which measures it and is kept with
-            the drafter from one batch to the next); any object with its ``plan``, ``record``
-            and ``quiet_steps`` methods.
+        budget: ``"fixed"`` (drafts keep their tree's size; no timing), ``"auto"`` (the verifier's
+            cost curve probed at construction, then learnt from every step, and the drafter's own
+            cost measured) or a cost curve (:class:`~infer.core.schedule.VerifyCost`, or an
+            :class:`~infer.core.schedule.OnlineCost` that learns).
+        policy: whether a batched step drafts at all (default
+            :class:`~infer.core.schedule.SpecPolicy`); any object with its ``plan``, ``record`` and
+            ``quiet_steps`` methods.
         join_wait: steps that queued generations may wait, with a row free, for a running row
             that reaches its token limit within them, so that they join in one prefill pass (a
             pass streams all the weights whatever its rows, so two prompts cost far less than two
-            passes of one). Rows that started together then end together again after a draft put
-            one of them ahead, as TGI's ``max_waiting_tokens`` batches prefills; 0: join at the next step.
+            passes of one); 0: join at the next step.
     """
 
     #: what a prefill pass costs beyond its padded token slots, in token slots: joining prompts of
     #: unlike lengths are prefilled in separate passes where that saves more (:func:`prefill_groups`)
     PREFILL_PASS_TOKENS = 64
-    #: plain steps whose committed tokens a row holds before its drafter is updated with them all
-    #: at once (sooner when the row drafts): a drafter update per row and step costs a batched
-    #: plain step about 1% at 16 rows, for work only a drafting step needs
+    #: plain steps whose committed tokens a row holds before the drafter is told them all at once
+    #: (sooner when the row drafts): an update per row and step costs a batched plain step about
+    #: 1% at 16 rows, for work only a drafting step needs
     HOLD_STEPS = 32
 
-    def __init__(self, verifier, drafter: Drafter | None = None, *, tree: TreeSpec | None = None, max_rows: int = 64,
-                 spawn: bool = True, policy: SpecPolicy | None = None, join_wait: int = 4):
+    def __init__(self, verifier, drafter: Drafter | None = None, *, max_rows: int = 64, budget="fixed",
+                 policy: SpecPolicy | None = None, join_wait: int = 4):
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise UserError(f"max_batch must be a positive integer, not {max_rows!r}")
         if not isinstance(join_wait, int) or isinstance(join_wait, bool) or join_wait < 0:
@@ -391,20 +433,19 @@ class Engine:
         self.drafter = drafter or NoDrafter()
         self.verifier = verifier if isinstance(verifier, Verifier) else Verifier(verifier)
         self.verifier.feature_layers = tuple(self.drafter.feature_layers)
+        self.schedule = schedule_for(self.verifier, budget, policy)  # probes after dropping what was left
         self.verifier.drop_rows([])  # whatever an unfinished earlier generation left behind
-        self.tree, self.max_rows, self.spawn = tree, max_rows, spawn
-        self.base_cost = self.drafter.cost
-        self.policy = policy if policy is not None else self.drafter.batch_policy(SpecPolicy)
+        self.max_rows = max_rows
         self.rows: list[_Row] = []
         self.pending: list[_Row] = []
-        self._cost_rows = 1  # the batch size the rows' cost curves were set for
-        self._cost = self.base_cost  # the curve they were given
-        self.last_sizes: tuple[int, ...] = ()  # the rows' tree sizes in the last decode step (for metrics)
-        self.last_drafted = False  # whether any row drafted in the last decode step (for metrics)
-        self._probe = 0  # the row that drafts when the policy probes one
         self._admitted_last = False
         self._admitting = 0  # rows taken from the queue and being prefilled (in neither list)
         self._next = 0
+
+    @property
+    def policy(self):
+        """The batch's draft-or-plain policy (the schedule's)."""
+        return self.schedule.policy
 
     # ---- the queue -----------------------------------------------------------------------------
 
@@ -421,12 +462,8 @@ class Engine:
         stopper = _Stopper(params.max_new_tokens, eos_token_id, stop, tokenizer)
         seed = row_seed(params.seed, generator)
         gen = None if params.greedy else sampling_generator(self.verifier.device, seed, None)
-        if self.spawn or self._next > 0:
-            drafter = self.drafter.spawn()
-        else:
-            drafter = self.drafter
         key = None if params.greedy else seed_tensor([seed], self.verifier.device)
-        row = _Row(self._next, ids, drafter, stopper, params, gen, seed, key)
+        row = _Row(self._next, ids, stopper, params, gen, seed, key)
         self._next += 1
         self.pending.append(row)
         return row.index
@@ -446,6 +483,7 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every generation, running or queued (after a failed step)."""
+        self.drafter.end([r.index for r in self.rows if r.warm])
         self.rows, self.pending = [], []
         self.verifier.drop_rows([])
 
@@ -457,11 +495,11 @@ class Engine:
     def run(self) -> Iterator[Chunk]:
         """:meth:`step` until every generation has ended, yielding the chunks."""
         while self.busy:
-            yield from self.step()
+            yield from self.step().chunks
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(self) -> list[Chunk]:
+    def step(self) -> StepReport:
         """One pass: the queued generations join (when there is room, not twice in a row while
         rows are running, and not while a running row ends within the steps left of
         ``join_wait``), else every running row takes one speculative step."""
@@ -470,11 +508,12 @@ class Engine:
         room = self.max_rows - len(self.rows)
         if joins:
             self._admitted_last, self._waited = True, 0
-            return self._admit(self.pending[:room])
+            chunks = self._admit(self.pending[:room])
+            return StepReport(chunks, "join", len(chunks))
         self._admitted_last = False
         if self.pending and room > 0:
             self._waited += 1
-        return self._decode() if self.rows else []
+        return self._decode() if self.rows else StepReport([])
 
     @property
     def joins_next(self) -> bool:
@@ -488,7 +527,7 @@ class Engine:
         """Whether one of ``rows`` reaches its token limit within the steps this join may still
         wait (``join_wait`` in all): the rows that take its place then join in the same prefill pass."""
         left = self.join_wait - self._waited
-        return left > 0 and any(r.stopper.max_new - len(r.stopper.tokens) <= left for r in rows)
+        return left > 0 and any(r.left <= left for r in rows)
 
     def _admit(self, rows: list[_Row]) -> list[Chunk]:
         """Prefill ``rows`` (in passes of like prompt lengths), append them to the batch; their first
@@ -501,25 +540,23 @@ class Engine:
 
     def _prefill(self, rows: list[_Row]) -> list[Chunk]:
         del self.pending[: len(rows)]
-        self.last_sizes = ()
         if not self.rows:
             self.verifier.drop_rows([])  # what the last generation left
         t0 = time.perf_counter()
         # prompts of unlike lengths in passes of their own (less padding); the batch's rows in pass order
         groups = [[rows[i] for i in g] for g in prefill_groups([int(r.ids.numel()) for r in rows], self.PREFILL_PASS_TOKENS)]
         rows = [r for group in groups for r in group]
-        quiet = self.policy.quiet_steps(len(self.rows) + len(rows))
+        quiet = self.schedule.quiet_steps(len(self.rows) + len(rows))
         outs = []
         for group in groups:  # a pass whose rows all end before the batch would let them draft: cold
             warm = any(r.stopper.max_new - 1 > quiet for r in group)
             for r in group:
                 r.warm = warm
             outs += self.verifier.add_rows([r.ids for r in group], features=warm)
+        self.drafter.begin([RowStart(r.index, r.ids, out.features, r.params) for r, out in zip(rows, outs) if r.warm])
         firsts = []
         for row, out in zip(rows, outs):
-            if row.warm:
-                row.drafter.set_params(row.params)
-                row.drafter.begin(row.ids, out.features)
+            row.gate = self.schedule.gate(not row.greedy)
             if row.greedy:
                 firsts.append(out.logits[-1].argmax().view(1))
             else:
@@ -536,7 +573,6 @@ class Engine:
             row.stats.new_tokens = len(emitted)
             self.rows.append(row)
             chunks.append(self._chunk(row, emitted))
-        self._cost_rows = 0  # the new rows' drafters have not been given the batch's curve yet
         self._leave([r for r in rows if r.stopper.reason])
         return chunks
 
@@ -549,91 +585,93 @@ class Engine:
         return Chunk(emitted, st, row.index)
 
     def _leave(self, rows: list[_Row]) -> None:
-        """These rows leave the batch (their cache rows are dropped)."""
+        """These rows leave the batch (their cache rows are dropped, the drafter told)."""
         if not rows:
             return
         gone = {id(r) for r in rows}
         keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
         if keep or self.pending:  # the last generation's cache stays until the next joins (to be inspected)
             self.verifier.drop_rows(keep)
+        self.drafter.end([r.index for r in rows if r.warm])
+        for r in rows:
+            self.schedule.retire(r.gate, not r.greedy)
         self.rows = [self.rows[i] for i in keep]
 
-    def _set_costs(self) -> None:
-        """Give every row the cost curve of a batch of the current size (when it changed)."""
-        b = len(self.rows)
-        if self.base_cost is None or b == self._cost_rows:
-            return
-        cost = self.base_cost if b == 1 else BatchCost(self.base_cost, b)
-        for row in self.rows:
-            row.drafter.set_cost(cost)
-        self._cost_rows, self._cost = b, cost
+    def _propose(self, rows: list[_Row], budgets: list) -> tuple[list[Draft], float]:
+        """Every row's draft (just the root where its budget is None), with one drafter call for
+        the drafting rows (each told first what plain steps committed); the call's seconds."""
+        handed = [a for r, b in zip(rows, budgets) if b is not None for a in [r.hand_over()] if a is not None]
+        if handed:
+            self.drafter.update(handed)
+        requests = [Request(r.index, r.root, b, None if r.greedy else r.generator) for r, b in zip(rows, budgets) if b is not None]
+        t0 = time.perf_counter()
+        proposed = iter(self.drafter.propose(requests) if requests else [])
+        seconds = time.perf_counter() - t0
+        drafts = [next(proposed) if b is not None else host_draft((r.root,), (-1,)) for r, b in zip(rows, budgets)]
+        return drafts, seconds
 
-    def _decode(self) -> list[Chunk]:
+    def _decode(self) -> StepReport:
         """One speculative step of every running row."""
         rows = self.rows
-        self._set_costs()
         t0 = time.perf_counter()
-        plan = self.policy.plan(len(rows))
-        warm = [r.warm for r in rows]
-        if plan == ONE:  # one row drafts (the policy measures what one row's draft adds), the warm rows in turn
-            turn = [(self._probe + 1 + j) % len(rows) for j in range(len(rows))]
-            self._probe = next((i for i in turn if warm[i]), self._probe)
-        drafting = [warm[i] and (plan == ALL or (plan == ONE and i == self._probe)) for i in range(len(rows))]
-        self.last_drafted = any(drafting)
-        drafts: list[Draft] = []
-        for row, draft_row in zip(rows, drafting):
-            t1 = time.perf_counter()
-            if draft_row:
-                row.hand_over()
-                alone = plan == ONE and self.base_cost is not None
-                if alone:  # a probe: the other rows are padded to its tree, so its tree is sized for that
-                    row.drafter.set_cost(BatchCost(self.base_cost, len(rows), alone=True))
-                remaining = row.stopper.max_new - len(row.stopper.tokens)
-                drafts.append(row.drafter.propose(row.root, tree=self.tree, max_depth=remaining - 1,
-                                                  generator=None if row.greedy else row.generator))
-                if alone:
-                    row.drafter.set_cost(self._cost)
-            else:  # the batch decodes plainly this step: no drafter runs (each catches up when it next drafts)
-                drafts.append(host_draft((row.root,), (-1,)))
-            row.stats.draft_s += time.perf_counter() - t1
+        budgets = self.schedule.plan([RowView(r.warm, r.left - 1, r.gate) for r in rows])
+        drafting = [b is not None for b in budgets]
+        drafts, draft_s = self._propose(rows, budgets)
         t2 = time.perf_counter()
         trees = stack_drafts(drafts, self.verifier.device)
-        self.last_sizes = trees.sizes
-        out = self.verifier.verify_rows(trees, features=any(warm))
+        out = self.verifier.verify_rows(trees, features=any(r.warm for r in rows))
         acc = self._accept(rows, trees, out.logits, drafts)
         t3 = time.perf_counter()  # the acceptance's one read back waited for the verify pass
-        self.drafter.observe_verify(len(rows) * trees.num_nodes, t3 - t2)
         self.verifier.commit_rows(acc.paths, [a.node_ids for a in acc.rows], acc.lengths)
+        self._tell(rows, drafting, acc, out.features)
+        n_drafting = max(sum(drafting), 1)
         chunks = []
-        firsts = out.features[:, 0].unbind(0) if out.features is not None else [None] * len(rows)  # [F, H] views
         for b, (row, a) in enumerate(zip(rows, acc.rows)):
-            if drafting[b]:  # its drafter learns what of its draft was accepted now
-                feats = out.features[b].index_select(0, a.nodes) if out.features is not None else None
-                row.drafter.update(torch.tensor((row.root,) + a.tokens[:-1], dtype=torch.long), feats)
-            elif row.warm:  # a plain step commits the root alone, at the tree's first node: held for the drafter
+            if drafting[b]:
+                self.schedule.judge(row.gate, trees.sizes[b], len(a.tokens) - 1, draft_s / n_drafting)
+            self._count(row, trees.sizes[b], len(a.tokens), draft_s / n_drafting if drafting[b] else 0.0, t3 - t2)
+            emitted = row.stopper.feed(list(a.tokens))
+            row.stats.new_tokens += len(emitted)
+            row.root = a.bonus
+            chunks.append(self._chunk(row, emitted))
+        drafted_nodes = sum(n - 1 for n, d in zip(trees.sizes, drafting) if d)
+        self.schedule.record(StepRecord(len(rows), sum(drafting), sum(len(a.tokens) for a in acc.rows),
+                                        time.perf_counter() - t0, len(rows) * trees.num_nodes, t3 - t2,
+                                        drafted_nodes, draft_s))
+        self._leave([r for r in rows if r.stopper.reason])
+        return StepReport(chunks, "decode", len(rows), trees.sizes, sum(drafting))
+
+    def _tell(self, rows: list[_Row], drafting: list[bool], acc: RowsAcceptance, features) -> None:
+        """The drafter learns what the drafting rows committed (one update); a plain step commits a
+        warm row's root alone, at its tree's first node: held for the drafter."""
+        told = []
+        firsts = features[:, 0].unbind(0) if features is not None else [None] * len(rows)  # [F, H] views
+        for b, (row, a) in enumerate(zip(rows, acc.rows)):
+            if drafting[b]:
+                feats = features[b].index_select(0, a.nodes) if features is not None else None
+                told.append(Accepted(row.index, torch.tensor((row.root,) + a.tokens[:-1], dtype=torch.long), feats))
+            elif row.warm:
                 row.held_tokens.append(row.root)
                 row.held_features.append(firsts[b])
                 if len(row.held_tokens) >= self.HOLD_STEPS:
-                    row.hand_over()
-            emitted = row.stopper.feed(list(a.tokens))
-            st = row.stats
-            n = trees.sizes[b]
-            st.verify_s += t3 - t2
-            st.verify_steps += 1
-            st.tree_nodes += n
-            if len(st.nodes_hist) <= n:
-                st.nodes_hist.extend([0] * (n + 1 - len(st.nodes_hist)))
-            st.nodes_hist[n] += 1
-            st.new_tokens += len(emitted)
-            k = len(a.tokens)
-            if len(st.accepted_hist) <= k:
-                st.accepted_hist.extend([0] * (k + 1 - len(st.accepted_hist)))
-            st.accepted_hist[k] += 1
-            row.root = a.bonus
-            chunks.append(self._chunk(row, emitted))
-        self.policy.record(len(rows), sum(drafting), sum(len(a.tokens) for a in acc.rows), time.perf_counter() - t0)
-        self._leave([r for r in rows if r.stopper.reason])
-        return chunks
+                    told.append(row.hand_over())
+        if told:
+            self.drafter.update(told)
+
+    @staticmethod
+    def _count(row: _Row, nodes: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """A decode step in the row's stats: ``nodes`` verified, ``accepted`` tokens emitted."""
+        st = row.stats
+        st.draft_s += draft_s
+        st.verify_s += verify_s
+        st.verify_steps += 1
+        st.tree_nodes += nodes
+        if len(st.nodes_hist) <= nodes:
+            st.nodes_hist.extend([0] * (nodes + 1 - len(st.nodes_hist)))
+        st.nodes_hist[nodes] += 1
+        if len(st.accepted_hist) <= accepted:
+            st.accepted_hist.extend([0] * (accepted + 1 - len(st.accepted_hist)))
+        st.accepted_hist[accepted] += 1
 
     def _sample(self, row: _Row, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """Row ``row``'s sampled token after each of its nodes (``logits [N, V]``, ``depths [N]``

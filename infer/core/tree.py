@@ -404,7 +404,7 @@ def grow_dynamic_tree(
     probability ``min(1, exp(log_scale[d]) * q)`` instead of the draft's ``q`` (the drafter
     measures how often its predictions come true).
 
-    With ``cost`` (verify time of ``n`` nodes relative to one token, see :mod:`infer.core.cost`), the
+    With ``cost`` (verify time of ``n`` nodes relative to one token, see :mod:`infer.core.schedule`), the
     node budget is chosen per step, up to ``num_nodes``: the ``n`` best nodes maximising
     ``(1 + sum of their path probabilities) / cost(n)``, the expected tokens per unit of verify
     time if the (calibrated) confidences are right.

@@ -6,50 +6,39 @@ block ``[root, mask, ..., mask]`` gives every drafted position's distribution at
 chain is the top-1 token at each position. The draft is deterministic (no ``q``), so it is
 exact under sampling too, and it merges with prompt lookup's trie (``--draft PATH+pld``).
 
-With a cost curve, the chain is cut where a longer one stops paying: the depth ``d`` that
+With a priced budget, the chain is cut where a longer one stops paying: the depth ``d`` that
 maximises ``(1 + sum_j prod_{i<=j} p_i) / cost(d + 1)``, ``p_i`` the head's top-1 probability at
-position ``i`` (one read per step, of those probabilities and the chain's tokens; without a cost
-curve, none). With a cost curve that has a seconds-per-token scale (the engine's online cost),
-the same :class:`~infer.drafting.gate.Gate` as EAGLE's pauses drafting, head pass included,
-while the chains it drafts do not pay for their verify and drafting time: a head that is rarely
-accepted then costs one probe every few dozen steps instead of a pass every step.
+position ``i`` (one read per step, of those probabilities and the chain's tokens; without a
+price, none). Whether the head drafts at all is the engine's to decide (its row gates pause a
+head that is rarely accepted: one probe every few dozen steps instead of a pass every step).
 """
 
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 
 from heads.dflash import DFlashHead
 from heads.masks import additive_mask
 
-from ..core.cost import cost_summary, has_timing
-from ..core.drafter import Draft, Drafter, root_only
+from ..core.drafter import Budget, Draft, RowDrafter, root_only
 from ..core.tree import DynamicTreeSpec, build_tree
 from ..core.verifier import ReservedCache, crop_cache
-from .gate import Gates, accepted_on_host
 
 
-class BlockDrafter(Drafter):
+class BlockDrafter(RowDrafter):
     """Drafts with a :class:`~heads.dflash.DFlashHead` (see the module docstring).
 
     ``tree``: only its ``depth`` is used (the longest chain; default ``block_size - 1``).
-    ``cost``: a verify-cost curve (:mod:`infer.core.cost`) that sizes each chain, or None (full
-    depth). ``adaptive``: pause while drafting does not pay (needs an online cost). ``dtype``:
-    what the head computes in (default: the verifier's)."""
+    ``dtype``: what the head computes in (default: the verifier's)."""
 
-    def __init__(self, head: DFlashHead, verifier_model, tree: DynamicTreeSpec | None = None, cost=None, *,
-                 adaptive: bool = True, dtype: torch.dtype | None = None):
+    def __init__(self, head: DFlashHead, verifier_model, tree: DynamicTreeSpec | None = None, *,
+                 dtype: torch.dtype | None = None):
         emb = verifier_model.get_input_embeddings()
         self.device = emb.weight.device
         self.dtype = dtype or emb.weight.dtype
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
-        self.cost = cost
-        self.adaptive = adaptive
-        self.gates = Gates()  # by kind of generation (sampled or not)
-        self._last: tuple[tuple, float] | None = None  # the last chain's host form and its drafting time
         self.block_size = head.config.block_size
         self.feature_layers = head.config.feature_layers
         self.tree = tree or DynamicTreeSpec(depth=self.block_size - 1, top_k=1, num_nodes=self.block_size)
@@ -66,34 +55,22 @@ class BlockDrafter(Drafter):
         self._pending: list[torch.Tensor] = []
 
     def spawn(self) -> BlockDrafter:
-        """A drafter for another concurrent generation: the same head, tables and cost curve;
-        its own context cache and gates."""
+        """A drafter for another row: the same head and tables; its own context cache."""
         new = copy.copy(self)
-        new.gates, new._last, new._pending = Gates(), None, []
+        new._pending = []
         new.cache, new.length = ReservedCache(), 0
         return new
 
-    def begin(self, prompt_ids, features) -> None:
+    def begin_row(self, prompt_ids, features, params=None) -> None:
         self.cache = ReservedCache()
         self.length = 0
         self._pending = [features]  # [T, F, h]: the prompt's features, fed at the first proposal
-        self.gates.begin()
-        self._last = None
 
-    def update(self, tokens, features) -> None:
-        if self._last is not None:  # the gate learns from the host copy of what was committed: no read
-            (tokens_h, parents_h), seconds = self._last
-            self._last = None
-            self.gates.current.record_draft(accepted_on_host(tokens_h, parents_h, tokens.tolist()), len(tokens_h), seconds, self.cost)
+    def update_row(self, tokens, features) -> None:
         self._pending.append(features)
 
-    def _gated(self) -> bool:
-        return self.adaptive and has_timing(self.cost)
-
     def state(self) -> dict:
-        gate = self.gates.current
-        return {"block_size": self.block_size, "paused_steps": gate.paused,
-                "gate_gain": round(float(gate.ema), 3), "cost": cost_summary(self.cost)}
+        return {"block_size": self.block_size}
 
     def _catch_up(self) -> None:
         """Append the fused features of every committed position not yet in the context cache."""
@@ -108,14 +85,15 @@ class BlockDrafter(Drafter):
         self.head.add_context(context[None], positions[None], additive_mask(allowed, self.dtype)[None], self.cache)
         self.length += k
 
-    def _depth(self, top_p: list[float]) -> int:
-        """The chain depth that pays best under the cost curve, from the head's top-1
-        probabilities per position (host floats)."""
-        run, expected, best, best_gain = 1.0, 1.0, 0, 1.0 / self.cost(1)
+    @staticmethod
+    def _depth(top_p: list[float], cost) -> int:
+        """The chain depth that pays best under ``cost``, from the head's top-1 probabilities
+        per position (host floats)."""
+        run, expected, best, best_gain = 1.0, 1.0, 0, 1.0 / cost(1)
         for d, p in enumerate(top_p, start=1):
             run *= p
             expected += run
-            gain = expected / self.cost(d + 1)
+            gain = expected / cost(d + 1)
             if gain > best_gain:
                 best, best_gain = d, gain
         return best
@@ -136,25 +114,20 @@ class BlockDrafter(Drafter):
         return self.head.logits(out[1:], self.lm_rows)
 
     @torch.inference_mode()
-    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
-        spec = tree or self.tree
-        depth = min(self.block_size - 1, getattr(spec, "depth", self.block_size - 1), max_depth)
-        gated = self._gated()
-        gate = self.gates.select(sampled=generator is not None)
-        if depth <= 0 or (gated and not gate.should_draft()):
+    def propose_row(self, root: int, budget: Budget, generator=None) -> Draft:
+        depth = min(self.block_size - 1, getattr(self.tree, "depth", self.block_size - 1), budget.depth,
+                    (budget.nodes or self.block_size) - 1)
+        if depth <= 0:
             return root_only(root, self.device)  # no head pass: the context catches up at the next one
-        t0 = time.perf_counter()
         logits = self.block_logits(root)[:depth]  # [depth, Vd]
         top_p, top = torch.softmax(logits.float(), -1).max(-1)
         ids = self.vocab[top]  # [depth] verifier ids
         root_t = torch.full((1,), root, dtype=torch.long, device=self.device)
-        if self.cost is None:  # the full chain, nothing read
+        if budget.cost is None:  # the full chain, nothing read
             return Draft(torch.cat([root_t, ids]), self._chains[depth])
         probs, host_ids = torch.stack([top_p, ids.to(top_p.dtype)]).tolist()  # the step's one read
-        depth = self._depth(probs)
+        depth = self._depth(probs, budget.cost)
         host = ((int(root), *(int(t) for t in host_ids[:depth])), (-1, *range(depth)))
-        if gated:
-            self._last = (host, time.perf_counter() - t0)
         if depth == 0:
             return root_only(root, self.device)
         return Draft(torch.cat([root_t, ids[:depth]]), self._chains[depth], host=host)

@@ -29,18 +29,15 @@ also when sampling), since a union verifies one proposal distribution per node o
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
 
 import torch
 
 from ..core.accept import warp_probs
-from ..core.cost import cost_summary, has_timing
-from ..core.drafter import Draft, Drafter, host_draft, root_only
+from ..core.drafter import Budget, Draft, RowDrafter, accepted_on_host, host_draft, root_only
 from ..core.errors import UserError
 from ..core.tree import DynamicTreeSpec, TreeSpec, grow_dynamic_tree
 from ..core.verifier import cache_keyword
-from .gate import Gates, accepted_on_host
 
 PREFIX = "model:"
 #: tokens a chain drafts by default (the cost curve may stop it earlier)
@@ -104,7 +101,7 @@ def check_vocab(config, path: Path, verifier_model, verifier_tokenizer=None) -> 
                             f"has {by_id_theirs.get(i)!r}: a draft model needs the verifier's vocabulary")
 
 
-def load_draft_model_drafter(part: str, verifier_model, tree: TreeSpec | None = None, cost=None, *,
+def load_draft_model_drafter(part: str, verifier_model, tree: TreeSpec | None = None, *,
                              dtype="auto", tokenizer=None) -> DraftModelDrafter:
     """The drafter of a ``model:PATH`` part for ``verifier_model``: the vocabulary is checked
     first, then the weights load on the verifier's device, in the dtype a head would draft in
@@ -128,7 +125,7 @@ def load_draft_model_drafter(part: str, verifier_model, tree: TreeSpec | None = 
     v_rows = int(verifier_model.get_output_embeddings().weight.shape[0])
     if out_rows != v_rows:
         raise UserError(f"draft model {str(path)!r} has an LM head of {out_rows} tokens but the verifier has {v_rows}")
-    return DraftModelDrafter(model.to(device).eval(), tree, cost)
+    return DraftModelDrafter(model.to(device).eval(), tree)
 
 
 def _chain_depth(spec: TreeSpec) -> int | None:
@@ -140,28 +137,26 @@ def _chain_depth(spec: TreeSpec) -> int | None:
     return None
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(RowDrafter):
     """Drafts with a separate causal LM ``model`` (on the verifier's device, with the verifier's
     vocabulary) and its own KV cache over the committed tokens (see the module docstring).
 
     The cache holds the committed tokens the model has seen; tokens committed since (and those a
     skipped step did not draft) wait in ``_pending`` and are fed with the next root in one pass.
-    ``cost`` sizes drafts (chains stop, trees are budgeted); with ``adaptive``, a gate pauses
-    drafting while it does not pay (:class:`~infer.drafting.gate.Gates`)."""
+    The budget's price sizes drafts (chains stop, trees are budgeted); it counts this model's
+    own measured time per drafted token, so a draft model as costly as the verifier is not asked
+    to draft at all (:class:`~infer.core.schedule.Schedule`)."""
 
-    def __init__(self, model, tree: TreeSpec | None = None, cost=None, *, adaptive: bool = True):
+    def __init__(self, model, tree: TreeSpec | None = None):
         self.model = model.eval()
         embed = model.get_input_embeddings().weight
         self.device, self.dtype = embed.device, embed.dtype
         self.tree = tree or DynamicTreeSpec(depth=DEFAULT_DEPTH, top_k=1, num_nodes=DEFAULT_DEPTH + 1)
-        self.cost = cost
-        self.adaptive = adaptive
         #: asked for by a union: greedy chains also when sampling (no q)
         self.deterministic = False
-        self.params = None  # the generation's SamplingParams (set_params), for the warped q
+        self.params = None  # the generation's SamplingParams (begin_row), for the warped q
         self._cache_kw = cache_keyword(model)
         self._mask_min = torch.finfo(self.dtype).min
-        self.gates = Gates()
         self._reset()
 
     def _reset(self) -> None:
@@ -174,31 +169,25 @@ class DraftModelDrafter(Drafter):
         self._fed = 0  # drafted tokens after the root that the cache holds (until update)
 
     def spawn(self) -> DraftModelDrafter:
-        """Another generation's drafter: the same model and cost curve, its own cache and gates."""
+        """Another row's drafter: the same model, its own cache."""
         new = copy.copy(self)
-        new.gates = Gates()
         new._reset()
         return new
 
-    def set_params(self, params) -> None:
-        self.params = params
-
-    def begin(self, prompt_ids, features=None) -> None:
+    def begin_row(self, prompt_ids, features=None, params=None) -> None:
         self._reset()
+        self.params = params
         self._pending = [int(t) for t in prompt_ids.tolist()]
-        self.gates.begin()
 
-    def update(self, tokens, features=None) -> None:
+    def update_row(self, tokens, features=None) -> None:
         committed = [int(t) for t in tokens.tolist()]  # a host tensor: no device read
         if self._last is None:  # nothing drafted this step: the root and its tokens are still to feed
             self._crop(self.length)
             self._pending += committed
             return
-        host_tokens, host_parents, chain, seconds = self._last
+        host_tokens, host_parents, chain = self._last
         self._last = None
         accepted = accepted_on_host(host_tokens, host_parents, committed)
-        if self.adaptive and has_timing(self.cost):
-            self.gates.current.record_draft(accepted, len(host_tokens), seconds, self.cost)
         # the cache holds the root (committed[0]) and, for a chain, its first `_fed` drafted tokens
         keep = min(len(committed) - 1, self._fed) if chain else 0
         keep = min(keep, accepted)
@@ -206,10 +195,6 @@ class DraftModelDrafter(Drafter):
         self._crop(self.length)
         self._pending = committed[1 + keep :]
         self._fed = 0
-
-    def state(self) -> dict:
-        gate = self.gates.current
-        return {"paused_steps": gate.paused, "gate_gain": round(float(gate.ema), 3), "cost": cost_summary(self.cost)}
 
     # ---- the model -----------------------------------------------------------------------------
 
@@ -252,39 +237,38 @@ class DraftModelDrafter(Drafter):
     # ---- drafting ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
-        spec = tree or self.tree
+    def propose_row(self, root: int, budget: Budget, generator=None) -> Draft:
+        spec = self.tree
         chain = _chain_depth(spec)
         if chain is None and not isinstance(spec, DynamicTreeSpec):
             raise UserError("a draft model drafts a chain (chain:K) or a dynamic tree (e.g. eagle2-16 or dynamic:5,4,16), "
                             "not a static tree")
-        gate = self.gates.select(sampled=generator is not None)
         self._last = None
-        if max_depth <= 0 or (self.adaptive and not gate.should_draft()):
+        max_depth = min(budget.depth, (budget.nodes or budget.depth + 1) - 1)
+        if max_depth <= 0:
             return root_only(root, self.device)
-        t0 = time.perf_counter()
         logits = self._catch_up(root)  # the cache now holds the root
         root_len = self.cache.get_seq_length()  # the position of the first drafted token
         if chain is not None:
             draft = self._chain(int(root), logits, min(chain, max_depth), root_len,
-                                generator if not self.deterministic else None)
+                                generator if not self.deterministic else None, budget.cost)
         else:
-            draft = self._tree(int(root), logits, spec, min(spec.depth, max_depth), root_len)
+            draft = self._tree(int(root), logits, spec, min(spec.depth, max_depth), root_len, budget.cost)
         # the committed length excludes the root until update() says it entered the verifier
         self.length = root_len - 1
         host = draft.host if draft.host is not None else (tuple(draft.tokens.tolist()), tuple(draft.tree.parents.tolist()))
-        if len(host[0]) > 1 or self.adaptive:
-            self._last = (host[0], host[1], chain is not None, time.perf_counter() - t0)
+        self._last = (host[0], host[1], chain is not None)
         return draft
 
-    def _pays(self, expected: float, prob: float, nodes: int) -> bool:
+    @staticmethod
+    def _pays(expected: float, prob: float, nodes: int, cost) -> bool:
         """Whether one more node of path probability ``prob`` raises the expected tokens per
-        verify cost of a draft of ``nodes`` nodes expecting ``expected`` tokens."""
-        if self.cost is None:
+        unit of ``cost`` of a draft of ``nodes`` nodes expecting ``expected`` tokens."""
+        if cost is None:
             return True
-        return (expected + prob) / self.cost(nodes + 1) >= expected / self.cost(nodes)
+        return (expected + prob) / cost(nodes + 1) >= expected / cost(nodes)
 
-    def _chain(self, root: int, logits: torch.Tensor, depth: int, start: int, generator) -> Draft:
+    def _chain(self, root: int, logits: torch.Tensor, depth: int, start: int, generator, cost) -> Draft:
         """A chain of up to ``depth`` tokens; sampled (with ``q``) when ``generator`` is given."""
         tokens, qs = [root], []
         expected, path = 1.0, 1.0
@@ -292,9 +276,9 @@ class DraftModelDrafter(Drafter):
         self._fed = 0
         for d in range(depth):
             probs = self._warp(logits)
-            if self.cost is not None:  # the next token's chance, judged before it is drawn
+            if cost is not None:  # the next token's chance, judged before it is drawn
                 chance = float((probs * probs).sum()) if sampled else float(probs.max())
-                if not self._pays(expected, path * chance, len(tokens)):
+                if not self._pays(expected, path * chance, len(tokens), cost):
                     break
                 path *= chance
                 expected += path
@@ -317,7 +301,7 @@ class DraftModelDrafter(Drafter):
         draft = host_draft([root] + ids, parents, self.device)
         return Draft(draft.tokens, draft.tree, q, draft.host)
 
-    def _tree(self, root: int, logits: torch.Tensor, spec: DynamicTreeSpec, depth: int, start: int) -> Draft:
+    def _tree(self, root: int, logits: torch.Tensor, spec: DynamicTreeSpec, depth: int, start: int, cost) -> Draft:
         """An EAGLE-2 dynamic tree of the draft's top-k children (deterministic)."""
         width = spec.top_k
         slots = 1 + (depth - 1) * width  # model passes: the root (done), then <= top_k frontier nodes per depth
@@ -345,6 +329,6 @@ class DraftModelDrafter(Drafter):
             state["slots"], state["depth"] = s + (k if d > 0 else 1), d + 1
             return out
 
-        t = grow_dynamic_tree(expand, root, spec, max_depth=depth, cost=self.cost, device=self.device)
+        t = grow_dynamic_tree(expand, root, spec, max_depth=depth, cost=cost, device=self.device)
         self._fed = 0
         return Draft(t.tokens, t.tree, host=(t.host_tokens, t.host_parents))

@@ -5,17 +5,16 @@ Everything runs on the verifier's device in the verifier's dtype (a head follows
 whatever dtype it was saved in). EAGLE drafting reads the device at most once per draft depth
 (whether a deeper level can still change the tree) plus once for the node budget; Medusa never.
 
-EAGLE drafters also keep score of themselves (:class:`Calibration`, :class:`Gate`): how often
-their predictions come true against how often they said they would (per depth), which rescales
-the probabilities that size each tree; and whether drafting has been paying at all, so that a
-head that is not being accepted stops drafting (and stops running: a skipped step costs no head
-pass; the committed tokens it missed are fed to it in one batch when it drafts again).
+EAGLE drafters also keep score of themselves (:class:`Calibration`): how often their
+predictions come true against how often they said they would (per depth), which rescales the
+probabilities that size each tree against the budget's price. Whether drafting pays at all is
+the engine's to decide (:mod:`infer.core.schedule`); a step it keeps plain costs no head pass
+(the committed tokens the head missed are fed to it in one batch when it drafts again).
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +24,11 @@ from heads import Eagle3Head, MedusaHeads, load_head
 from heads.masks import additive_mask
 from heads.modules import DraftHead
 
-from ..core.cost import cost_summary, has_timing
-from ..core.drafter import Draft, Drafter, root_only
+from ..core.drafter import Budget, Draft, Drafter, RowDrafter, root_only
 from ..core.errors import UserError
 from ..core.kernels import median_seconds
 from ..core.tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
 from ..core.verifier import ReservedCache, crop_cache
-from .gate import Gates, accepted_on_host
 
 
 def _verifier_place(verifier_model) -> tuple[torch.device, torch.dtype]:
@@ -39,7 +36,7 @@ def _verifier_place(verifier_model) -> tuple[torch.device, torch.dtype]:
     return w.device, w.dtype
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(RowDrafter):
     """Fills a static tree: the node reached by sibling ranks ``(r1, ..., rd)`` gets head
     ``d - 1``'s ``rd``-th most likely token. Deterministic (``q`` is one-hot)."""
 
@@ -58,10 +55,10 @@ class MedusaDrafter(Drafter):
         new._feat = None
         return new
 
-    def begin(self, prompt_ids, features) -> None:
+    def begin_row(self, prompt_ids, features, params=None) -> None:
         self._feat = features[-1, 0]
 
-    def update(self, tokens, features) -> None:
+    def update_row(self, tokens, features) -> None:
         self._feat = features[-1, 0]
 
     def _shape(self, spec: StaticTreeSpec, depth: int):
@@ -77,11 +74,11 @@ class MedusaDrafter(Drafter):
         return self._trees[key]
 
     @torch.inference_mode()
-    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
-        spec = tree or self.tree
+    def propose_row(self, root: int, budget: Budget, generator=None) -> Draft:
+        spec = self.tree
         if not isinstance(spec, StaticTreeSpec):
             raise UserError("Medusa heads fill a static tree: pass a static tree (e.g. medusa-16 or chain:4)")
-        depth = min(max_depth, spec.depth, self.head.config.num_heads)
+        depth = min(budget.depth, spec.depth, self.head.config.num_heads)
         if depth <= 0:
             return root_only(root, self.device)
         shape, head_idx, ranks, top = self._shape(spec, depth)
@@ -141,7 +138,7 @@ class Calibration:
         return hit.sum()
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(RowDrafter):
     """EAGLE-1 / EAGLE-3 drafting on an EAGLE-2 dynamic tree.
 
     The head keeps its own KV cache over the committed context: position ``j`` holds the pair
@@ -149,19 +146,17 @@ class EagleDrafter(Drafter):
     pairs it has not seen (one batched pass), then runs it once per tree depth on the frontier
     nodes, with a tree mask over its cache built on the device from the tree's tensors.
 
-    ``cost`` (an :class:`~infer.core.cost.OnlineCost` or a fixed curve) sizes each tree; with
-    ``adaptive``, the head's confidences are calibrated against what is accepted and drafting
-    pauses while it does not pay (see :class:`Calibration`, :class:`Gate`). ``prune=False``
+    The budget's price sizes each tree; with ``adaptive``, the head's confidences are calibrated
+    against what is accepted (see :class:`Calibration`; shared by the rows). ``prune=False``
     drafts every depth (for tests). ``dtype``: what the head computes in (default: the
     verifier's; see :func:`draft_dtype`).
     """
 
-    def __init__(self, head: DraftHead, verifier_model, tree: DynamicTreeSpec | None = None, cost=None, *,
+    def __init__(self, head: DraftHead, verifier_model, tree: DynamicTreeSpec | None = None, *,
                  adaptive: bool = True, prune: bool = True, dtype: torch.dtype | None = None):
         self.device, verifier_dtype = _verifier_place(verifier_model)
         self.dtype = dtype or verifier_dtype  # the head computes in the verifier's dtype unless told
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
-        self.cost = cost  # sizes the tree per step (None: always tree.num_nodes)
         self.adaptive, self.prune = adaptive, prune
         self.eagle3 = isinstance(head, Eagle3Head)
         self.embed = verifier_model.get_input_embeddings()
@@ -171,16 +166,14 @@ class EagleDrafter(Drafter):
         vd = head.config.draft_vocab_size
         self.vocab_map = self.head.target_ids(torch.arange(vd, device=self.device)) if self.eagle3 else None
         self._calibration: dict[tuple[bool, int], Calibration] = {}
-        self.gates = Gates()  # by kind of generation (sampled or not)
         self._last: tuple | None = None
         self.cache = ReservedCache()
         self.length = 0
 
     def spawn(self) -> EagleDrafter:
-        """A drafter for another concurrent generation: the same head, embeddings and cost
-        curve; its own KV cache, calibration and gates."""
+        """A drafter for another row: the same head, embeddings and calibration; its own KV cache."""
         new = copy.copy(self)
-        new._calibration, new.gates, new._last = {}, Gates(), None
+        new._last = None
         new.cache, new.length = ReservedCache(), 0
         return new
 
@@ -197,36 +190,28 @@ class EagleDrafter(Drafter):
         return self.head(feats[None], embeds[None], positions[None], mask[None, None], self.cache)[0]
 
     @torch.inference_mode()
-    def begin(self, prompt_ids, features) -> None:
+    def begin_row(self, prompt_ids, features, params=None) -> None:
         self.cache = ReservedCache()
         self.length = 0
         self._feats = [features]  # verifier features at positions length .. T - 1 (not yet fed)
         self._tokens = [prompt_ids[1:].to(self.device, non_blocking=True)]  # tokens length + 1 .. T - 1
         self._last = None
-        self.gates.begin()
         for cal in self._calibration.values():
             cal.forget()
 
     @torch.inference_mode()
-    def update(self, tokens, features) -> None:
-        committed = tokens  # the engine hands over a host tensor: reading it waits for nothing
+    def update_row(self, tokens, features) -> None:
         tokens = tokens.to(self.device, non_blocking=True)
         if self._last is not None:
-            draft, key, seconds = self._last
+            draft, key = self._last
             self._last = None
             self._calibration[key].record(draft, tokens)
-            if self.adaptive and has_timing(self.cost):
-                accepted = accepted_on_host(draft.host_tokens, draft.host_parents, committed.tolist())
-                self.gates.current.record_draft(accepted, draft.tokens.numel(), seconds, self.cost)
         self._feats.append(features)
         self._tokens.append(tokens)
 
     def state(self) -> dict:
-        gate = self.gates.current
-        return {"paused_steps": gate.paused, "gate_gain": round(float(gate.ema), 3),
-                "calibration": {f"{'sampled' if s else 'greedy'}, depth {d}": [round(x, 3) for x in c.log_scale().tolist()]
-                                for (s, d), c in self._calibration.items()},
-                "cost": cost_summary(self.cost)}
+        return {"calibration": {f"{'sampled' if s else 'greedy'}, depth {d}": [round(x, 3) for x in c.log_scale().tolist()]
+                                for (s, d), c in self._calibration.items()}}
 
     def _catch_up(self, root: torch.Tensor) -> torch.Tensor:
         """Feed the head every committed pair it has not seen and the root's pair (the last
@@ -250,17 +235,17 @@ class EagleDrafter(Drafter):
         return torch.log_softmax(logits.float(), dim=-1)
 
     @torch.inference_mode()
-    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
-        spec = tree or self.tree
+    def propose_row(self, root: int, budget: Budget, generator=None) -> Draft:
+        spec = self.tree
         if not isinstance(spec, DynamicTreeSpec):
             raise UserError("EAGLE heads grow a dynamic tree: pass a dynamic tree (e.g. eagle2-16 or dynamic:5,4,16)")
-        gate = self.gates.select(sampled=generator is not None)
-        if max_depth <= 0 or (self.adaptive and not gate.should_draft()):
+        if budget.depth <= 0 or (budget.nodes or 2) < 2:
             return root_only(root, self.device)
-        t0 = time.perf_counter()
+        if budget.nodes is not None and budget.nodes < spec.num_nodes:
+            spec = DynamicTreeSpec(spec.depth, spec.top_k, budget.nodes)
         root_t = torch.full((), root, dtype=torch.long, device=self.device)
         root_out = self._catch_up(root_t)  # [1, h]: the head's output at the root (slot 0)
-        depth = min(spec.depth, max_depth)
+        depth = min(spec.depth, budget.depth)
         key = (generator is not None, spec.depth)
         cal = self._calibration.setdefault(key, Calibration.new(spec.depth, self.device))
         width = spec.top_k
@@ -293,11 +278,11 @@ class EagleDrafter(Drafter):
 
         log_scale = cal.log_scale() if self.adaptive else None
         t = grow_dynamic_tree(expand, root_t, spec,
-                              max_depth=depth, vocab_map=self.vocab_map, cost=self.cost, prune=self.prune,
+                              max_depth=depth, vocab_map=self.vocab_map, cost=budget.cost, prune=self.prune,
                               log_scale=log_scale, device=self.device)
         crop_cache(self.cache, self.length)
         if t.tokens.numel() > 1 or self.adaptive:
-            self._last = (t, key, time.perf_counter() - t0)
+            self._last = (t, key)
         return Draft(t.tokens, t.tree, host=(t.host_tokens, t.host_parents))
 
 
@@ -340,7 +325,7 @@ def _bf16_is_faster(rows: int = 8, width: int = 576, vocab: int = 8192, repeats:
     return times[torch.bfloat16] * 1.3 < times[torch.float32]
 
 
-def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None, *, dtype: str | torch.dtype | None = "auto") -> Drafter:
+def load_head_drafter(path_or_repo: str, verifier_model, tree=None, *, dtype: str | torch.dtype | None = "auto") -> Drafter:
     """A drafter for a saved head; refuses a head trained for another verifier.
 
     A Medusa-2 checkpoint carries LoRA adapters for the verifier (``adapter/``), declared in its
@@ -366,8 +351,8 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, cost=None, *
     if head.config.head_type == "dflash":
         from .block_drafter import BlockDrafter
 
-        return BlockDrafter(head, verifier_model, tree if isinstance(tree, DynamicTreeSpec) else None, cost,
+        return BlockDrafter(head, verifier_model, tree if isinstance(tree, DynamicTreeSpec) else None,
                             dtype=draft_dtype(verifier_model, dtype))
-    return EagleDrafter(head, verifier_model, tree, cost, dtype=draft_dtype(verifier_model, dtype))
+    return EagleDrafter(head, verifier_model, tree, dtype=draft_dtype(verifier_model, dtype))
 
 

@@ -4,26 +4,21 @@
 for this verifier together with prompt lookup; else prompt lookup), ``pld``, ``none``, the name
 of a shipped head (``default``), a head checkpoint (directory or Hub id), or several joined by
 ``+`` (their drafts are verified as one trie), or ``model:PATH``, a separate draft model (a local
-HF causal LM with the verifier's vocabulary, :mod:`infer.drafting.draft_model`; never in ``auto``). With ``budget="auto"`` each drafter sizes its
-drafts by the verifier's cost curve: a short probe at load, then the times the engine measures
-at every step (:class:`~infer.core.cost.OnlineCost`).
+HF causal LM with the verifier's vocabulary, :mod:`infer.drafting.draft_model`; never in ``auto``).
+How much each drafts is the engine's to decide (:mod:`infer.core.schedule`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
-from ..core.cost import OnlineCost, VerifyCost, measure_verify_cost
 from ..core.drafter import Drafter, NoDrafter
 from ..core.errors import UserError
 from ..core.tree import StaticTreeSpec, TreeSpec
 from .draft_model import draft_model_path, is_draft_model_spec, read_draft_config
 from .lookup import PromptLookupDrafter
 from .union import UnionDrafter
-
-log = logging.getLogger("specheads")
 
 
 def draft_parts(spec: str, model) -> list[str]:
@@ -125,45 +120,28 @@ def _grows(part: str) -> str:
     return "dynamic trees: pass one such as eagle2-16 or dynamic:5,4,16"
 
 
-def probe_cost(model, linear: str = "auto") -> OnlineCost | None:
-    """The verify-cost curve to size drafts by: a short probe (about a second on a small model)
-    on the verifier's ``linear`` kernel, refined by the engine's own measurements. None when the
-    model is so fast that the probe is timing noise (tiny test models): drafts then keep their fixed size."""
-    prior = VerifyCost.from_measurement(measure_verify_cost(model, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3, linear=linear))
-    if prior is None:
-        log.info("the verify-cost curve is within timing noise: using the fixed tree budget")
-        return None
-    return OnlineCost(prior)
-
-
-def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, budget: str = "auto", draft_dtype="auto",
-                 linear: str = "auto", tokenizer=None) -> Drafter:
+def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, draft_dtype="auto", tokenizer=None) -> Drafter:
     """The drafter a ``--draft`` spec names, for verifier ``model`` (see the module docstring).
 
     ``tree`` shapes the first drafter; under ``auto``, the first one that grows that kind of tree
-    (prompt lookup grows any). ``budget``: ``auto`` sizes drafts by the measured cost curve,
-    ``fixed`` uses the tree's node count. ``draft_dtype``: what EAGLE heads compute in
-    (:func:`~infer.drafting.head_drafters.draft_dtype`). ``linear``: the verifier's kernel that the cost
-    probe measures (:mod:`infer.core.kernels`; pass the one the engine's verifier runs). A head
-    trained for another verifier is refused, and so is a draft model (``model:PATH``) whose
-    vocabulary differs from the verifier's (``tokenizer``: the verifier's, to compare tokens too)."""
-    if budget not in ("auto", "fixed"):
-        raise UserError(f"budget must be 'auto' or 'fixed', not {budget!r}")
+    (prompt lookup grows any). ``draft_dtype``: what EAGLE heads compute in
+    (:func:`~infer.drafting.head_drafters.draft_dtype`). A head trained for another verifier is
+    refused, and so is a draft model (``model:PATH``) whose vocabulary differs from the
+    verifier's (``tokenizer``: the verifier's, to compare tokens too)."""
     parts = draft_parts(spec, model)
     if parts == ["none"]:
         return NoDrafter()
-    cost = probe_cost(model, linear) if budget == "auto" else None
 
     def one(part: str, tree_):
         if part == "pld":
-            return PromptLookupDrafter(tree=tree_) if cost is None else PromptLookupDrafter(tree=tree_, cost=cost)
+            return PromptLookupDrafter(tree=tree_)
         if is_draft_model_spec(part):
             from .draft_model import load_draft_model_drafter
 
-            return load_draft_model_drafter(part, model, tree_, cost, dtype=draft_dtype, tokenizer=tokenizer)
+            return load_draft_model_drafter(part, model, tree_, dtype=draft_dtype, tokenizer=tokenizer)
         from .head_drafters import load_head_drafter
 
-        return load_head_drafter(part, model, tree_, cost, dtype=draft_dtype)
+        return load_head_drafter(part, model, tree_, dtype=draft_dtype)
 
     check_tree(spec, tree, model)
     target = tree_target(spec, parts, tree)  # the drafter that `tree` shapes (drafters carry their trees)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.cost import DEFAULT_COST, VerifyCost, best_chain_depth, cost_summary
-from ..core.drafter import Draft, Drafter, host_draft, root_only
+from ..core.drafter import Budget, Draft, RowDrafter, host_draft, root_only
+from ..core.schedule import DEFAULT_COST, best_chain_depth
 from ..core.tree import DynamicTreeSpec, TreeSpec
 
 
@@ -17,7 +17,7 @@ def _trie_limits(spec: TreeSpec) -> tuple[int, int, int]:
     return spec.depth, spec.num_nodes, max(firsts, default=0) + 1
 
 
-class PromptLookupDrafter(Drafter):
+class PromptLookupDrafter(RowDrafter):
     """Prompt-lookup (n-gram) drafting: find earlier occurrences of the context's last ``n``
     tokens (``n`` from ``max_ngram`` down to ``min_ngram``, most recent first) and propose what
     followed them. Up to ``branches`` distinct continuations are merged into a trie of at most
@@ -25,8 +25,9 @@ class PromptLookupDrafter(Drafter):
     ``top_k`` is the number of branches).
 
     With ``adaptive`` (the default), the depth is chosen each step from the acceptance rate seen
-    so far for matches of the same length ``n`` and the verifier's ``cost`` curve: the depth that
-    maximises expected tokens per unit of verify time (0: no draft, a plain step).
+    so far for matches of the same length ``n`` and the budget's price (without one, the default
+    verifier's measured curve): the depth that maximises expected tokens per unit of time (0: no
+    draft, a plain step).
     """
 
     def __init__(
@@ -36,13 +37,12 @@ class PromptLookupDrafter(Drafter):
         tree: TreeSpec | None = None,
         *,
         adaptive: bool = True,
-        cost: VerifyCost = DEFAULT_COST,
     ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tree = tree or DynamicTreeSpec(depth=10, top_k=1, num_nodes=11)
-        self.adaptive, self.cost = adaptive, cost
+        self.adaptive = adaptive
         self.max_hits = 64  # matches examined per n-gram length (the most recent ones)
         self._ctx = np.zeros(0, dtype=np.int64)
         self._len = 0
@@ -70,17 +70,16 @@ class PromptLookupDrafter(Drafter):
         return succ / (succ + fail)
 
     def state(self) -> dict:
-        return {"acceptance": {n: round(self.acceptance(n), 3) for n in sorted(self._stats)},
-                "cost": cost_summary(self.cost) if self.adaptive else None}
+        return {"acceptance": {n: round(self.acceptance(n), 3) for n in sorted(self._stats)}}
 
-    def begin(self, prompt_ids, features=None) -> None:
+    def begin_row(self, prompt_ids, features=None, params=None) -> None:
         self._ctx = np.zeros(max(1024, 2 * len(prompt_ids)), dtype=np.int64)
         self._len = 0
         self._stats = {}
         self._last = None
         self._append(prompt_ids.tolist())
 
-    def update(self, tokens, features=None) -> None:
+    def update_row(self, tokens, features=None) -> None:
         host = tokens.tolist()  # the engine hands over a host tensor: no device read
         if self._last is not None:
             n, depth, trie = self._last
@@ -130,15 +129,15 @@ class PromptLookupDrafter(Drafter):
                         return found
         return found
 
-    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
-        tokens, parents = self.propose_host(root, tree=tree, max_depth=max_depth)
+    def propose_row(self, root: int, budget: Budget, generator=None) -> Draft:
+        tokens, parents = self.propose_host(root, budget)
         return host_draft(tokens, parents) if len(tokens) > 1 else root_only(root)
 
-    def propose_host(self, root, *, tree=None, max_depth=8) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """:meth:`propose` on the host: the draft's ``(tokens, parents)`` (just the root when
-        nothing is drafted), no tensor made; a union merges it without copying it first."""
-        depth, budget, branches = _trie_limits(tree or self.tree)
-        depth = min(depth, max_depth)
+    def propose_host(self, root: int, budget: Budget) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """:meth:`propose_row` on the host: the draft's ``(tokens, parents)`` (just the root
+        when nothing is drafted), no tensor made (a host draft is copied once, when first used)."""
+        depth, most, branches = _trie_limits(self.tree)
+        depth, most = min(depth, budget.depth), min(most, budget.nodes or most)
         nothing = ((int(root),), (-1,))
         if depth <= 0:
             return nothing
@@ -147,7 +146,7 @@ class PromptLookupDrafter(Drafter):
             return nothing
         n = found[0][0]
         if self.adaptive:
-            depth = best_chain_depth(self.acceptance(n), depth, self.cost)
+            depth = best_chain_depth(self.acceptance(n), depth, budget.cost or DEFAULT_COST)
             if depth == 0:  # not worth drafting; drift back toward the prior so we try again later
                 succ, fail = self._counts(n)
                 self._stats[n] = (0.95 * succ + 0.05, 0.95 * fail + 0.05)
@@ -160,7 +159,7 @@ class PromptLookupDrafter(Drafter):
             for tok in cont:
                 child = trie.get((node, tok))
                 if child is None:
-                    if len(tokens) >= budget:
+                    if len(tokens) >= most:
                         break
                     child = len(tokens)
                     trie[(node, tok)] = child

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from ..core.drafter import Draft, Drafter, host_draft
+from ..core.drafter import Accepted, Draft, Drafter, Request, RowStart, host_draft
 
 
 def merge_drafts(drafts: list[Draft], device=None) -> Draft:
@@ -43,11 +44,12 @@ def merge_host(drafts: list[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[
 class UnionDrafter(Drafter):
     """Several drafters at once (e.g. a trained head and prompt lookup): each step verifies the
     union of their trees, so each one's strength counts (the head for fresh text, prompt lookup
-    for text copied from the context). Their drafts are deterministic, so the union is exact
-    when sampling too. A member that reports a ``q`` (children drawn from it) cannot join a
-    union, as exact tree rejection sampling needs one proposal distribution per node: when the
-    first member reports one, its draft is verified alone; when a later one does, its draft is
-    left out. Either is said once per union, with a ``UserWarning`` naming the member."""
+    for text copied from the context). Every member drafts all the step's rows within the same
+    budgets; their drafts are deterministic, so the union is exact when sampling too. A member
+    that reports a ``q`` (children drawn from it) cannot join a union, as exact tree rejection
+    sampling needs one proposal distribution per node: when the first member reports one, its
+    draft is verified alone; when a later one does, its draft is left out. Either is said once
+    per union, with a ``UserWarning`` naming the member."""
 
     def __init__(self, drafters: list[Drafter]):
         if len(drafters) < 2:
@@ -57,7 +59,6 @@ class UnionDrafter(Drafter):
             if hasattr(d, "deterministic"):
                 d.deterministic = True
         self.tree = drafters[0].tree
-        self.cost = next((d.cost for d in drafters if d.cost is not None), None)
         layers: list[int] = []
         for d in drafters:
             layers += [x for x in d.feature_layers if x not in layers]
@@ -88,51 +89,39 @@ class UnionDrafter(Drafter):
             index[i] = j  # fills: no copy from host memory
         return features.index_select(1, index)
 
-    def spawn(self) -> UnionDrafter:
-        return UnionDrafter([d.spawn() for d in self.drafters])
-
-    def set_params(self, params) -> None:
+    def begin(self, rows: Sequence[RowStart]) -> None:
         for d in self.drafters:
-            d.set_params(params)
+            d.begin([replace(r, features=self._features_for(d, r.features)) for r in rows])
 
-    def set_cost(self, cost) -> None:
+    def update(self, accepted: Sequence[Accepted]) -> None:
         for d in self.drafters:
-            d.set_cost(cost)
-        self.cost = cost if self.cost is not None else None
+            d.update([replace(a, features=self._features_for(d, a.features)) for a in accepted])
 
-    def begin(self, prompt_ids, features) -> None:
+    def end(self, slots: Sequence[int]) -> None:
         for d in self.drafters:
-            d.begin(prompt_ids, self._features_for(d, features))
-
-    def update(self, tokens, features) -> None:
-        for d in self.drafters:
-            d.update(tokens, self._features_for(d, features))
+            d.end(slots)
 
     def state(self) -> dict:
         return {"members": [d.state() for d in self.drafters]}
 
-    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
-        first = self.drafters[0].propose(root, tree=tree, max_depth=max_depth, generator=generator)
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
+        by_member = [d.propose(requests) for d in self.drafters]
+        return [self._merge([drafts[j] for drafts in by_member]) for j in range(len(requests))]
+
+    def _merge(self, drafts: list[Draft]) -> Draft:
+        """One row's union of its members' drafts (the first member's when it carries ``q``)."""
+        first = drafts[0]
         if first.q is not None:
             self._warn_q(0, alone=True)
             return first
-        device = first.tokens.device
-        members = [(first, first.host)] if first.tree.num_nodes > 1 else []  # (draft or None, host form or None)
-        for i, d in enumerate(self.drafters[1:], start=1):
-            if hasattr(d, "propose_host"):  # drafted on the host: merged there, copied once
-                form = d.propose_host(root, tree=None, max_depth=max_depth)
-                if len(form[0]) > 1:
-                    members.append((None, form))
-                continue
-            draft = d.propose(root, tree=None, max_depth=max_depth, generator=generator)
+        members = [first] if first.num_nodes > 1 else []
+        for i, draft in enumerate(drafts[1:], start=1):
             if draft.q is not None:
                 self._warn_q(i, alone=False)
-            elif draft.tree.num_nodes > 1:
-                members.append((draft, draft.host))
+            elif draft.num_nodes > 1:
+                members.append(draft)
         if not members:
             return first
         if len(members) == 1:  # nothing to merge: no device read
-            draft, form = members[0]
-            return draft.to(device) if draft is not None else host_draft(*form, device)
-        forms = [form if form is not None else (draft.tokens.tolist(), draft.tree.parents.tolist()) for draft, form in members]
-        return host_draft(*merge_host(forms), device)
+            return members[0].to(first.device)
+        return merge_drafts(members, first.device)

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ..core.engine import generate
+from ..core.engine import Engine
 from ..core.errors import UserError
 from ..core.kernels import kernel_context
+from ..core.params import SamplingParams
 from ..core.verifier import Verifier, check_fits
 from .prompts import BenchPrompt
 
@@ -74,7 +75,7 @@ def run_bench(
     *,
     methods=METHODS,
     max_new_tokens: int = 128,
-    tree=None,
+    budget="auto",
     chat: bool = True,
     pld_tokens: int = 10,
     progress: bool = True,
@@ -106,7 +107,7 @@ def run_bench(
     check_methods(methods, temperature)
     eos = eos_ids(model, tokenizer)
     drafters = drafter if isinstance(drafter, dict) else {"": drafter}
-    run = _Methods(model, drafters, kernels or {}, eos, max_new_tokens, tree, temperature, seed, pld_tokens)
+    run = _Methods(model, drafters, kernels or {}, eos, max_new_tokens, budget, temperature, seed, pld_tokens)
     methods = run.expand(methods)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
     for i, ids in enumerate(encoded):  # before any method runs (HF would run a million tokens first)
@@ -126,11 +127,13 @@ def run_bench(
 class _Methods:
     """The methods a benchmark runs, each a function of the prompt ids -> ``(tokens, stats or
     None)`` in ``runners``: HF ``generate`` (``vanilla``, on each engine kernel too), HF's prompt
-    lookup, and one speculative method per drafter (``drafter_of``, ``baseline_of``: its vanilla row)."""
+    lookup, and one speculative method per drafter (``drafter_of``, ``baseline_of``: its vanilla row),
+    each on one long-lived :class:`~infer.core.engine.Engine` (what it learns carries over from one
+    prompt to the next, as in an application; ``budget``: the engines')."""
 
-    def __init__(self, model, drafters: dict, kernels: dict, eos, max_new_tokens, tree, temperature, seed, pld_tokens):
+    def __init__(self, model, drafters: dict, kernels: dict, eos, max_new_tokens, budget, temperature, seed, pld_tokens):
         self.model, self.drafters, self.kernels, self.eos = model, drafters, kernels, eos
-        self.max_new_tokens, self.tree, self.temperature, self.seed = max_new_tokens, tree, temperature, seed
+        self.max_new_tokens, self.budget, self.temperature, self.seed = max_new_tokens, budget, temperature, seed
         self.verifiers = {k: Verifier(model, linear=k) for k in {kernels.get(label, "auto") for label in drafters}}
         self.sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
         self.runners = {
@@ -165,9 +168,10 @@ class _Methods:
             for label, d in drafters.items():
                 name = f"spec:{label}" if len(drafters) > 1 else "spec"
                 v = verifiers[kernels.get(label, "auto")]
-                self.runners[name] = lambda ids, d=d, v=v: _spec(v, d, ids, self.max_new_tokens, self.eos, self.tree,
-                                                                 self.temperature, self.seed)
-                self.drafter_of[name] = d
+                engine = Engine(Verifier(self.model, linear=kernels.get(label, "auto")), d, budget=self.budget)
+                params = SamplingParams(self.max_new_tokens, self.temperature, seed=self.seed)
+                self.runners[name] = lambda ids, e=engine, p=params: _spec(e, ids, p, self.eos)
+                self.drafter_of[name] = engine
                 self.baseline_of[name] = "vanilla" if v.kernel in ("stock", "hybrid") else f"vanilla[{v.kernel}]"
                 expanded.append(name)
         return tuple(expanded)
@@ -195,7 +199,7 @@ def _measure(model, run: _Methods, methods, prompts, encoded, rows: list, log, p
                 if stats is not None:
                     row[m].update(accepted_hist=stats.accepted_hist, nodes_hist=stats.nodes_hist,
                                   draft_s=stats.draft_s, verify_s=stats.verify_s, steps=stats.verify_steps,
-                                  drafter=run.drafter_of[m].state())
+                                  drafter=run.drafter_of[m].drafter.state(), schedule=run.drafter_of[m].schedule.state())
             rows.append(row)
             if log:
                 log.append(row)
@@ -248,10 +252,14 @@ class PartialResults:
         self.path.unlink(missing_ok=True)
 
 
-def _spec(verifier, drafter, ids, max_new_tokens, eos, tree, temperature=0.0, seed=0):
-    res = generate(verifier, drafter, ids, max_new_tokens=max_new_tokens, eos_token_id=eos, tree=tree,
-                   temperature=temperature, seed=seed)
-    return res.token_ids, res.stats
+def _spec(engine: Engine, ids, params: SamplingParams, eos):
+    """One generation on ``engine``: its tokens and stats."""
+    engine.add(ids, params, eos_token_id=eos)
+    tokens, stats = [], None
+    for chunk in engine.run():
+        tokens.extend(chunk.token_ids)
+        stats = chunk.stats
+    return tokens, stats
 
 
 def _merged(rows: list[dict], m: str, key: str) -> list[int]:
@@ -268,7 +276,7 @@ def add_efficiency(results: dict, verify_cost: dict) -> None:
     """Per speculative method (overall and per category): ``ideal_speedup`` = tokens over the
     verify passes' summed cost in single-token passes (from the measured curve, interpolated),
     and ``efficiency`` = achieved ``speedup`` / ``ideal_speedup``."""
-    from ..core.cost import VerifyCost
+    from ..core.schedule import VerifyCost
 
     rel = {int(n): float(r) for n, r in verify_cost["relative"].items()}
     nodes = sorted(rel)

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.engine import stream
+from ..core.engine import Engine
 from ..core.errors import UserError
+from ..core.params import SamplingParams
 from ..core.text import StreamDecoder, eos_ids
 
 HELP = "commands: /reset (new conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
@@ -30,6 +31,8 @@ class ChatSession:
     gen_kwargs: dict = field(default_factory=dict)
     messages: list[dict] = field(default_factory=list)
     verifier: object = None  # a Verifier of ``model`` to generate with (None: one with the auto kernel)
+    budget: str = "fixed"  # the engine's (see Engine): it lives as long as the session, and learns
+    engine: Engine | None = None
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -69,11 +72,14 @@ class ChatSession:
         stats = None
         stopped = False
         try:  # checked before any work (e.g. history plus max_new_tokens beyond the context)
-            chunks = stream(self.verifier or self.model, self.drafter, self.encode(), tokenizer=self.tokenizer,
-                            eos_token_id=eos_ids(self.model, self.tokenizer), **self.gen_kwargs)
+            if self.engine is None:
+                self.engine = Engine(self.verifier or self.model, self.drafter, budget=self.budget)
+            self.engine.add(self.encode(), SamplingParams(**self.gen_kwargs), tokenizer=self.tokenizer,
+                            eos_token_id=eos_ids(self.model, self.tokenizer))
         except UserError:
             self.messages.pop()  # the turn is refused; the conversation so far stays
             raise
+        chunks = self.engine.run()
         try:
             for chunk in chunks:
                 tokens.extend(chunk.token_ids)
@@ -83,6 +89,7 @@ class ChatSession:
         except KeyboardInterrupt:
             stopped = True
             chunks.close()
+            self.engine.reset()  # the reply's row leaves
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         out.write(pieces.flush() + ("  [stopped]" if stopped else "") + "\n")
         self.messages.append({"role": "assistant", "content": text})

@@ -13,7 +13,7 @@ import re
 import sys
 
 from ..core.errors import UserError
-from .load import check_drafts, drafter_for, tree_for, verifier_for
+from .load import budget_for, check_drafts, drafter_for, tree_for, verifier_for
 
 
 class _Parser(argparse.ArgumentParser):
@@ -184,7 +184,7 @@ def bench_kernels(text: str) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    from ..core.engine import stream
+    from ..core.engine import Engine
     from ..core.text import StreamDecoder, encode_prompt, eos_ids
 
     params = _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -197,10 +197,8 @@ def cmd_generate(args) -> int:
     lv = verifier_for(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
     drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
-    verifier = _verifier(args, lv.model)
+    engine = Engine(_verifier(args, lv.model), drafter, budget=budget_for(args))
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
-    chunks = stream(verifier, drafter, ids, params=params, eos_token_id=eos_ids(lv.model, lv.tokenizer),
-                    stop=args.stop, tokenizer=lv.tokenizer)
     if args.compare:  # warm both paths up so that the timings compare steady states
         import torch
 
@@ -210,8 +208,11 @@ def cmd_generate(args) -> int:
             hf_generate(lv.model, ids, 4, eos_ids(lv.model, lv.tokenizer), **_hf_like(args))
         from dataclasses import replace
 
-        for _ in stream(verifier, drafter, ids, params=replace(params, max_new_tokens=4, seed=0)):
+        engine.add(ids, replace(params, max_new_tokens=4, seed=0))
+        for _ in engine.run():
             pass
+    engine.add(ids, params, eos_token_id=eos_ids(lv.model, lv.tokenizer), stop=args.stop, tokenizer=lv.tokenizer)
+    chunks = engine.run()
     tokens: list[int] = []
     stats = None
     pieces = StreamDecoder(lv.tokenizer)
@@ -280,7 +281,7 @@ def cmd_bench(args) -> int:
 
     from heads.io import write_atomic
 
-    from ..core.cost import measure_verify_cost
+    from ..core.schedule import measure_verify_cost
     from ..core.tree import load_tree_spec
     from .bench import add_efficiency, check_methods, environment, plot_results, run_bench
     from .files import check_not_input, check_output_file
@@ -318,9 +319,9 @@ def cmd_bench(args) -> int:
     for i, kernel in enumerate(kernels):  # each kernel its own drafters: their cost curves learn its times
         for label, (d, _), t in zip(labels, entries, trees):
             name = label if i == 0 else f"{label}[{kernel}]"
-            drafters[name], kernel_of[name] = drafter_for(args, d, lv.model, t, kernel, tokenizer=lv.tokenizer), kernel
+            drafters[name], kernel_of[name] = drafter_for(args, d, lv.model, t, tokenizer=lv.tokenizer), kernel
     config = bench_fingerprint(args)
-    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of,
+    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of, budget=budget_for(args),
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
                         temperature=args.temperature, seed=args.seed, partial=partial, fingerprint=config)
     results["config"] = {"command": "specheads " + " ".join(sys.argv[1:]), **config, "n_prompts": len(prompts), **environment()}
@@ -372,7 +373,8 @@ def cmd_chat(args) -> int:
     drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
-    return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen, verifier=_verifier(args, lv.model)))
+    return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen, verifier=_verifier(args, lv.model),
+                                budget=budget_for(args)))
 
 
 def cmd_export(args) -> int:
@@ -472,7 +474,7 @@ MAX_COST_REPEATS = 1000
 
 
 def cmd_cost(args) -> int:
-    from ..core.cost import measure_verify_cost
+    from ..core.schedule import measure_verify_cost
 
     try:
         nodes = tuple(int(n) for n in args.nodes.split(","))

@@ -39,10 +39,14 @@ def check_drafts(*specs: str, trees=None) -> None:
         check_tree(spec, tree)
 
 
-def drafter_for(args, draft: str, model, tree, linear: str | None = None, tokenizer=None):
+def drafter_for(args, draft: str, model, tree, tokenizer=None):
     """The drafter ``draft`` names (a ``--draft`` spec) for verifier ``model``, with the command's
-    ``--tree-budget``, ``--draft-dtype`` and ``--linear`` (or ``linear``)."""
+    ``--draft-dtype`` (``--tree-budget`` goes to the engine, :func:`budget_for`)."""
     from ..drafting.loading import load_drafter
 
-    return load_drafter(draft, model, tree=tree, budget=args.tree_budget, draft_dtype=args.draft_dtype,
-                        linear=linear or args.linear, tokenizer=tokenizer)
+    return load_drafter(draft, model, tree=tree, draft_dtype=args.draft_dtype, tokenizer=tokenizer)
+
+
+def budget_for(args) -> str:
+    """The engine's ``budget`` from ``--tree-budget`` (``auto`` when the command has none)."""
+    return getattr(args, "tree_budget", "auto")

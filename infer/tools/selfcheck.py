@@ -46,55 +46,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.drafter import Draft, Drafter, root_only
-from ..core.tree import build_tree
 from ..drafting.lookup import PromptLookupDrafter
-
-
-class OracleDrafter(Drafter):
-    """Drafts from a known continuation ``ref`` of the prompt (the verifier's own greedy output):
-    every node at depth ``d`` gets ``ref[g + d]`` (``g``: the root's index in ``ref``) with
-    probability ``p_right``, else a token it is not, on a fixed tree shape ``parents`` (default:
-    a chain of 4 drafts), pruned to the depth the engine allows. ``p_right=1``: the oracle, which
-    accepts a whole root-to-leaf path each step (tau is the tree's depth + 1); ``p_right=0``:
-    always wrong (the token after the right one, so siblings share it). Used by the selfcheck and by the test suite."""
-
-    def __init__(self, ref: list[int], prompt_len: int, parents: list[int] | None = None, *, p_right: float = 1.0,
-                 seed: int = 0, vocab: int = 256, device=None):
-        self.ref, self.prompt_len, self.p_right, self.vocab = ref, prompt_len, p_right, vocab
-        self.shape = build_tree(parents if parents is not None else _chain(4))
-        self.depths = self.shape.depths.tolist()
-        self.device = device
-        self.tree_on_device = self.shape.to(device) if device is not None else self.shape
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def begin(self, prompt_ids, features=None):
-        self.committed = prompt_ids.numel()
-
-    def update(self, tokens, features=None):
-        self.committed += tokens.numel()
-
-    def propose(self, root, *, tree=None, max_depth=8, generator=None) -> Draft:
-        g = self.committed - self.prompt_len
-        if max_depth < self.shape.max_depth:
-            keep = [i for i, d in enumerate(self.depths) if d <= max_depth]
-            if len(keep) == 1:
-                return root_only(root, self.device)
-            index = {old: new for new, old in enumerate(keep)}
-            parents = self.shape.parents.tolist()
-            tree_ = build_tree([-1] + [index[parents[i]] for i in keep[1:]], device=self.device)
-        else:
-            keep, tree_ = range(len(self.depths)), self.tree_on_device
-        tokens = [root]
-        for i in list(keep)[1:]:
-            d = self.depths[i]
-            right = self.ref[g + d] if g + d < len(self.ref) else 0
-            if self.p_right <= 0:  # always wrong, the same way: siblings get the same token
-                tokens.append((right + 1) % self.vocab)
-                continue
-            ok = self.p_right >= 1 or float(torch.rand((), generator=self.rng)) < self.p_right
-            tokens.append(right if ok else (right + 1 + int(torch.randint(self.vocab - 1, (), generator=self.rng))) % self.vocab)
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), tree_)
+from ..testing import OracleDrafter
 
 
 def _binary(n: int) -> list[int]:
@@ -243,10 +196,10 @@ def _speed_model(device: torch.device, small: bool, shared: dict):
 
 
 def part_speed(device: torch.device, small: bool, record, shared: dict | None = None) -> dict:
-    from ..core.cost import VerifyCost, measure_verify_cost
     from ..core.diagnostics import HostReadCounter
     from ..core.drafter import NoDrafter
     from ..core.engine import generate
+    from ..core.schedule import VerifyCost, measure_verify_cost
     from ..core.tree import DynamicTreeSpec
     from ..drafting.head_drafters import EagleDrafter
 
@@ -345,9 +298,9 @@ def part_batch(device: torch.device, small: bool, record, shared: dict | None = 
         def spawn(self):
             return RowOracle()
 
-        def begin(self, prompt_ids, features=None):
+        def begin_row(self, prompt_ids, features=None, params=None):
             self.ref, self.prompt_len = refs[tuple(prompt_ids.tolist())], prompt_ids.numel()
-            super().begin(prompt_ids, features)
+            super().begin_row(prompt_ids, features, params)
 
     rows = res["batch"] = {}
     for b in sizes:

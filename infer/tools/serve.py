@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from ..core.engine import Chunk, Engine
+from ..core.engine import Chunk, Engine, StepReport
 from ..core.errors import UserError
 from ..core.params import SamplingParams
 from . import protocol
@@ -180,15 +180,15 @@ class EngineLoop:
                 self._by_index[req.index] = req
             t0 = time.perf_counter()
             try:
-                chunks = self.engine.step()
+                report = self.engine.step()
             except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
                 for req in self._by_index.values():
                     req.put(APIError(500, f"the engine failed: {type(e).__name__}: {e}", "server_error"))
                 self._by_index.clear()
                 self.engine.reset()
                 continue
-            self.metrics.step(self, chunks, time.perf_counter() - t0)
-            for chunk in chunks:
+            self.metrics.step(self, report, time.perf_counter() - t0)
+            for chunk in report.chunks:
                 req = self._by_index.get(chunk.index)
                 if req is None:
                     continue
@@ -230,21 +230,22 @@ class Metrics:
         self.admission_s = Counter("specheads_admission_seconds", "wall time of admission steps", registry=r)
         self.decode_s = Counter("specheads_decode_seconds", "wall time of decode steps", registry=r)
 
-    def step(self, loop: EngineLoop, chunks: list[Chunk], seconds: float) -> None:
+    def step(self, loop: EngineLoop, report: StepReport, seconds: float) -> None:
+        """One engine step, from its report."""
+        chunks, sizes = report.chunks, report.sizes
         self.step_s.observe(seconds)
         self.batch.set(len(chunks))
         self.running.set(loop.running)
         self.waiting.set(loop.waiting)
         emitted = sum(len(c.token_ids) for c in chunks)
         self.generated.inc(emitted)
-        sizes = loop.engine.last_sizes
-        if not sizes and chunks:  # an admission step
+        if report.kind == "join":
             self.admissions.inc()
             self.admitted_rows.inc(len(chunks))
             self.admission_s.inc(seconds)
-        if sizes:  # a decode step (not an admission)
+        if report.kind == "decode":
             self.decode_s.inc(seconds)
-            self.drafting.set(int(loop.engine.last_drafted))
+            self.drafting.set(int(report.drafted > 0))
             self.verify_steps.inc(len(sizes))
             self.nodes.inc(sum(sizes))
             self.accepted.inc(emitted)
@@ -443,7 +444,8 @@ def _error_handlers(app, metrics: Metrics) -> None:
         return error(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
 
-def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: str = "auto", host: str | None = None):
+def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: str = "auto", host: str | None = None,
+              budget="auto"):
     """The FastAPI app serving ``model`` with ``drafter`` (see the module docstring). Its engine
     loop starts with the app (lifespan) and stops with it. ``host``: the address it is served on;
     on a loopback address, requests naming another ``Host`` are refused (DNS rebinding)."""
@@ -456,7 +458,7 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: s
     from ..core.text import eos_ids
     from ..core.verifier import Verifier, context_length
 
-    engine = Engine(Verifier(model, linear=linear), drafter, max_rows=limits.max_rows, spawn=True,
+    engine = Engine(Verifier(model, linear=linear), drafter, max_rows=limits.max_rows, budget=budget,
                     join_wait=limits.join_wait)
     metrics = Metrics()
     loop_ = EngineLoop(engine, eos_ids(model, tokenizer), tokenizer, limits, metrics)
@@ -694,7 +696,7 @@ def cmd_serve(args) -> int:
                     max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout,
                     shutdown_timeout_s=args.shutdown_timeout, join_wait=args.join_wait,
                     max_connections=args.max_connections, read_timeout_s=args.read_timeout)
-    from .load import check_drafts, drafter_for, tree_for, verifier_for
+    from .load import budget_for, check_drafts, drafter_for, tree_for, verifier_for
 
     tree = tree_for(args)
     check_drafts(args.draft, trees=[tree])
@@ -702,7 +704,8 @@ def cmd_serve(args) -> int:
     lv = verifier_for(args, "serve needs a tokenizer (random shapes without one cannot take text)")
     drafter = drafter_for(args, args.draft, lv.model, tree)
     name = args.model_name or args.verifier
-    app = build_app(lv.model, lv.tokenizer, drafter, name=name, limits=limits, linear=args.linear, host=args.host)
+    app = build_app(lv.model, lv.tokenizer, drafter, name=name, limits=limits, linear=args.linear, host=args.host,
+                    budget=budget_for(args))
     import sys
 
     print(f"specheads serve: {name} with --draft {args.draft} on http://{args.host}:{args.port}/v1 "

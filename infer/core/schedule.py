@@ -1,9 +1,13 @@
-"""The verifier's cost of checking a tree, and choosing draft sizes that pay for themselves.
+"""Scheduling speculation: what a draft costs, and how much of it each step may draft.
 
-Verifying ``n`` tree nodes costs more than one token (on CPU the matrix products stop being
-memory-bound), so a draft is worth its size only if the tokens it is expected to add outweigh
-that cost. :class:`VerifyCost` holds the measured curve (``specheads cost`` measures it);
-:func:`best_chain_depth` picks the draft depth that maximises expected tokens per unit of time.
+The engine owns one :class:`Schedule`. It holds the verifier's cost of checking a tree (a
+measured :class:`VerifyCost`, learnt online as :class:`OnlineCost`, seen from a batch as
+:class:`BatchCost`), the drafter's own measured cost per drafted node (:class:`DraftCost`), the
+batch's draft-or-plain policy (:class:`SpecPolicy`) and every row's :class:`Gate`; all of them
+pause with one primitive, :class:`Backoff`. Each step it gives every drafting row a
+:class:`~infer.core.drafter.Budget`: the depth it may reach and the price of a draft of ``n``
+nodes in plain steps, drafting included, so that a drafter sizes its tree to what pays, and a
+drafter that cannot pay is not asked at all.
 """
 
 from __future__ import annotations
@@ -198,31 +202,45 @@ def cost_summary(cost, nodes=(2, 4, 8, 16, 32)) -> dict | None:
 def measure_verify_cost(model, nodes=(1, 4, 8, 16, 32, 64), *, prefix_len: int = 256, repeats: int = 7,
                         linear: str = "auto") -> dict:
     """Median wall time of one verify pass over ``n`` tree nodes after a ``prefix_len`` prefix,
-    for each ``n`` in ``nodes``, on the ``linear`` kernel (:mod:`infer.core.kernels`); returns
-    ``{"seconds": {n: s}, "relative": {n: s / s(1)}, "kernel": ...}``."""
-    from .tree import build_tree
+    for each ``n`` in ``nodes``, through the engine's batched verify (one row) on the ``linear``
+    kernel (:mod:`infer.core.kernels`); ``model``: an HF causal LM or a
+    :class:`~infer.core.verifier.Verifier` (whose rows are dropped). Returns ``{"seconds": {n: s},
+    "relative": {n: s / s(1)}, "kernel": ...}``."""
+    from .batch import stack_drafts
+    from .drafter import host_draft
     from .verifier import Verifier
 
-    verifier = Verifier(model, linear=linear)
+    verifier = model if isinstance(model, Verifier) else Verifier(model, linear=linear)
     vocab = verifier.vocab_size
     g = torch.Generator().manual_seed(0)
-    verifier.prefill(torch.randint(0, vocab, (prefix_len,), generator=g))
+    verifier.drop_rows([])
+    verifier.add_rows([torch.randint(0, vocab, (prefix_len,), generator=g)], features=False)
     seconds = {}
     for n in nodes:
-        tree = build_tree([-1] + [(i - 1) // 2 for i in range(1, n)])  # a binary tree
-        tokens = torch.randint(0, vocab, (n,), generator=g)
+        parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree
+        trees = stack_drafts([host_draft(torch.randint(0, vocab, (n,), generator=g).tolist(), parents)], verifier.device)
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            verifier.verify(tokens, tree)
+            verifier.verify_rows(trees, features=False)
             if verifier.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             verifier.rollback()
         seconds[n] = statistics.median(times[1:])
+    verifier.drop_rows([])
     base = seconds[nodes[0]]
     return {"prefix_len": prefix_len, "seconds": seconds, "relative": {n: s / base for n, s in seconds.items()},
             "kernel": verifier.kernel}
+
+
+def probe_cost(verifier) -> OnlineCost | None:
+    """The verify-cost curve to size drafts by: a short probe (about a second on a small model)
+    of ``verifier`` (a :class:`~infer.core.verifier.Verifier`), refined by the engine's own
+    measurements. None when the model is so fast that the probe is timing noise (tiny test
+    models): drafts then keep their fixed size."""
+    prior = VerifyCost.from_measurement(measure_verify_cost(verifier, (1, 2, 4, 8, 16, 32), prefix_len=128, repeats=3))
+    return OnlineCost(prior) if prior is not None else None
 
 
 #: Measured with `specheads cost` for the default verifier on the 2-core CPU machine (BENCHMARKS.md).
@@ -253,18 +271,53 @@ class _Ema:
 
 
 @dataclass
+class Backoff:
+    """A pause before the next try of something that did not pay, doubling with every try that
+    does not pay (from ``first`` up to ``most`` steps), reset by one that does. The one pause
+    every controller here uses: a row's :class:`Gate`, the batch's probes and full drafting in
+    :class:`SpecPolicy`, and the :class:`Schedule`'s refusal of a drafter that cannot pay."""
+
+    first: int = 1
+    most: int = 64
+    pause: int = 0  # the pause after the next try that does not pay (0: ``first``)
+    skip: int = 0  # steps left in the current pause
+
+    def __post_init__(self) -> None:
+        self.pause = self.pause or self.first
+
+    def waiting(self) -> bool:
+        """Whether this step falls in the pause (counting it down)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return True
+        return False
+
+    def failed(self, *, reset: bool = False) -> None:
+        """A try did not pay: pause for ``pause`` steps, and double the next pause (``reset``: the
+        next pause is ``first`` again)."""
+        self.skip = self.pause
+        self.pause = self.first if reset else min(2 * self.pause, self.most)
+
+    def paid(self) -> None:
+        """A try paid: no pause, and the next one starts from ``first``."""
+        self.pause, self.skip = self.first, 0
+
+    def hold(self, steps: int) -> None:
+        """Pause at least ``steps`` steps from now."""
+        self.skip = max(self.skip, steps)
+
+
+@dataclass
 class _Bucket:
     """What :class:`SpecPolicy` has measured for one range of batch sizes."""
 
+    probe: Backoff  # the pause before one row drafts again while one row's draft does not pay
+    full: Backoff  # the pause before every row drafts again after that lost
     plain_time: dict[int, _Ema] = field(default_factory=dict)  # seconds of a step that did not draft, per row count
     extra_tokens: _Ema = field(default_factory=_Ema)  # one row drafting: tokens beyond the plain step's
     extra_time: _Ema = field(default_factory=_Ema)  # one row drafting: seconds beyond the plain step's
     probe_rate: _Ema = field(default_factory=_Ema)  # plain tokens/s at the row counts those probes ran at
     full_gain: _Ema = field(default_factory=_Ema)  # every row drafting: tokens/s over plain tokens/s at its row count
-    pause: int = 4
-    skip: int = 0
-    full_pause: int = 4
-    full_skip: int = 0
 
     @property
     def plain_steps(self) -> int:
@@ -294,8 +347,7 @@ class SpecPolicy:
     pay, and is at least long enough that probes cost at most ``probe_share`` of the plain decoding
     time (a probe pads every row to its tree: its cost grows with the batch). Where one row's draft
     did not pay at a smaller batch size, a larger batch (which only adds rows to pad) starts with
-    that pause before its own first probe. A single row always drafts (its drafter's own gate
-    decides)."""
+    that pause before its own first probe. A single row always drafts (its :class:`Gate` decides)."""
 
     #: a bucket's upper row counts: one row's draft that pays at 2 rows (it adds to 2 tokens a step)
     #: says little about 4 (where it must beat 4), so no bucket spans a doubling
@@ -310,9 +362,10 @@ class SpecPolicy:
     def _bucket(self, rows: int) -> _Bucket:
         b = next(i for i, top in enumerate(self.BUCKETS) if rows <= top)
         if b not in self._buckets:  # where one row's draft did not pay in a smaller batch, it pays less here:
-            lost = [k.pause for i, k in self._buckets.items() if i < b and self._measured(k) and not self._one_pays(k)]
+            lost = [k.probe.pause for i, k in self._buckets.items() if i < b and self._measured(k) and not self._one_pays(k)]
             pause = max(lost, default=0)  # wait as long as the smaller batch waits before the first probe
-            self._buckets[b] = _Bucket(pause=pause or self.first_pause, skip=pause, full_pause=self.first_pause)
+            self._buckets[b] = _Bucket(probe=Backoff(self.first_pause, self.max_pause, pause=pause, skip=pause),
+                                       full=Backoff(self.first_pause, self.max_pause))
         return self._buckets[b]
 
     def _measured(self, k: _Bucket) -> bool:
@@ -329,28 +382,19 @@ class SpecPolicy:
         k = self._bucket(rows)
         if k.plain_steps < self.warmup:
             return PLAIN
-        if k.extra_time.steps < self.warmup:
-            if k.skip > 0:  # the last probe's cost, or a smaller batch's verdict, says wait
-                k.skip -= 1
-                return PLAIN
-            return ONE
-        margin = 1.0 + self.margin
+        if k.extra_time.steps < self.warmup:  # the last probe's cost, or a smaller batch's verdict, may say wait
+            return PLAIN if k.probe.waiting() else ONE
         one_pays = self._one_pays(k)
         if one_pays:
-            if k.full_gain.steps < self.warmup or k.full_gain.value > margin:
+            if k.full_gain.steps < self.warmup or k.full_gain.value > 1.0 + self.margin:
                 return ALL
-            if k.full_skip > 0:  # every row drafting lost: try it again after a pause that doubles
-                k.full_skip -= 1
-            else:
-                k.full_skip = k.full_pause
-                k.full_pause = min(2 * k.full_pause, self.max_pause)
+            if not k.full.waiting():  # every row drafting lost: try it again after a pause that doubles
+                k.full.failed()
                 k.full_gain = _Ema()
                 return ALL
-        if k.skip > 0:
-            k.skip -= 1
+        if k.probe.waiting():
             return PLAIN
-        k.skip = k.pause  # probe one row now, then pause longer unless it pays
-        k.pause = min(2 * k.pause, self.max_pause) if not one_pays else self.first_pause
+        k.probe.failed(reset=one_pays)  # probe one row now, then pause longer unless it pays
         return ONE
 
     def quiet_steps(self, rows: int) -> int:
@@ -363,7 +407,7 @@ class SpecPolicy:
         k = self._bucket(rows)
         if self._measured(k) and self._one_pays(k):
             return 0
-        return k.skip + max(self.warmup - k.plain_steps, 0)
+        return k.probe.skip + max(self.warmup - k.plain_steps, 0)
 
     def record(self, rows: int, drafted: int, tokens: int, seconds: float) -> None:
         """A step of ``rows`` rows, ``drafted`` of which drafted, emitted ``tokens`` in ``seconds``.
@@ -387,7 +431,7 @@ class SpecPolicy:
             k.extra_time.add(extra / drafted, a)
             k.probe_rate.add(rows / plain, a)
             if (tokens - rows) * plain < (1.0 + self.margin) * rows * extra:  # this probe did not pay
-                k.skip = max(k.skip, math.ceil(extra / (self.probe_share * plain)))
+                k.probe.hold(math.ceil(extra / (self.probe_share * plain)))
         else:
             k.full_gain.add((tokens / seconds) / (rows / plain), a)
 
@@ -398,3 +442,239 @@ class SpecPolicy:
                                                "one_row_extra_ms": round(1e3 * k.extra_time.value, 2),
                                                "all_rows_gain": round(k.full_gain.value, 3)}
                 for b, k in sorted(self._buckets.items())}
+
+
+@dataclass
+class Gate:
+    """Whether one row's drafting pays: an exponential moving average of each drafted step's gain
+    (tokens it emitted over its cost in plain steps, drafting included; 1.0 = as fast as not
+    drafting). Below 1, the row decodes plainly for a pause (:class:`Backoff`, 1 step doubling up
+    to 64: a head that never pays, e.g. when sampling from a broad distribution, costs one probe
+    per 65 steps) and then probes once; a probe counts on its own. Host floats only."""
+
+    ema: float = 1.2
+    backoff: Backoff = field(default_factory=lambda: Backoff(1, 64))
+    alpha: float = 0.3
+    paused: int = 0  # steps it paused drafting for
+
+    def should_draft(self) -> bool:
+        if self.backoff.waiting():
+            self.paused += 1
+            return False
+        return True
+
+    def record(self, gain: float) -> None:
+        """One drafted step's ``gain``."""
+        gain = float(gain)
+        probe = self.backoff.pause > self.backoff.first
+        self.ema = gain if probe else (1 - self.alpha) * self.ema + self.alpha * gain
+        if self.ema > 1.0:
+            self.backoff.paid()
+        else:
+            self.backoff.failed()
+
+    def carried(self) -> Gate:
+        """The gate the next sampled generation starts from: one still drafting where this one
+        ended drafting; else one paused for half of this one's next pause, then probing (a head's
+        value for one kind of generation seldom changes from one prompt to the next: at
+        temperature 1.0, where it rarely pays, a fresh gate drafted ~10 of 256 steps to learn it
+        again). Halving forgets: generations too short to probe shorten the pause."""
+        if self.ema > 1.0:
+            return Gate(self.ema)
+        pause = max(1, self.backoff.pause // 2)
+        return Gate(self.ema, Backoff(1, 64, pause=pause, skip=pause))
+
+
+class DraftCost:
+    """The drafter's own cost: seconds of drafting per drafted node (root excluded), as the engine
+    times its proposals; the median of the last ``window`` drafting steps, known after
+    ``min_samples`` of them."""
+
+    def __init__(self, *, window: int = 15, min_samples: int = 2):
+        self.window, self.min_samples = window, min_samples
+        self._samples: deque = deque(maxlen=window)
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        """A proposal drafted ``nodes`` nodes beyond its roots in ``seconds`` (none: its fixed
+        cost counted as one node's)."""
+        if seconds > 0:
+            self._samples.append(seconds / max(nodes, 1))
+
+    def forget(self) -> None:
+        self._samples.clear()
+
+    @property
+    def seconds_per_node(self) -> float | None:
+        if len(self._samples) < self.min_samples:
+            return None
+        return statistics.median(self._samples)
+
+
+@dataclass(frozen=True)
+class Price:
+    """What a draft of ``n`` nodes costs one row, in its plain steps: the verify pass over ``n``
+    nodes (``verify``, a curve such as :class:`BatchCost`) plus drafting ``n - 1`` nodes at
+    ``draft`` plain steps each. Drafters size their trees by it (:class:`~infer.core.drafter.Budget`)."""
+
+    verify: object
+    draft: float = 0.0
+
+    def __call__(self, n: int) -> float:
+        return float(self.verify(n)) + self.draft * max(n - 1, 0)
+
+    def pays(self, depth: int) -> bool:
+        """Whether any draft of at most ``depth`` levels could pay: a chain of ``d`` tokens, all
+        accepted, emits ``d + 1`` tokens for ``self(d + 1)`` plain steps."""
+        return any((d + 1) / self(d + 1) > 1.0 for d in range(1, depth + 1))
+
+
+
+class AllDraft:
+    """The batch policy of an untimed schedule: every row drafts at every step."""
+
+    def plan(self, rows: int) -> int:
+        return ALL
+
+    def quiet_steps(self, rows: int) -> int:
+        return 0
+
+    def record(self, rows: int, drafted: int, tokens: int, seconds: float) -> None:
+        pass
+
+    def state(self) -> dict:
+        return {}
+
+
+@dataclass
+class RowView:
+    """What the schedule needs of one running row: whether it may draft at all (``warm``), the
+    deepest draft its token limit leaves (``depth``), and its :class:`Gate`."""
+
+    warm: bool
+    depth: int
+    gate: Gate
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One decode step as the engine timed it: ``rows`` rows, ``drafted`` of which drafted,
+    emitting ``tokens`` in ``seconds``; the verify pass over ``verify_nodes`` nodes (rows x padded
+    tree) in ``verify_s``; the proposal of ``draft_nodes`` nodes beyond the roots in ``draft_s``."""
+
+    rows: int
+    drafted: int
+    tokens: int
+    seconds: float
+    verify_nodes: int
+    verify_s: float
+    draft_nodes: int = 0
+    draft_s: float = 0.0
+
+
+class Schedule:
+    """Every scheduling decision of one :class:`~infer.core.engine.Engine` (it owns one, for as
+    long as it lives, so what it learns persists from one generation to the next).
+
+    ``cost``: the verify-cost curve (an :class:`OnlineCost` learns from every timed pass; a
+    :class:`VerifyCost` is fixed; None: drafts keep their fixed size and no gate runs).
+    ``policy``: the batch's draft-or-plain policy (default: :class:`SpecPolicy` where the cost is
+    measured, else :class:`AllDraft`: nothing timed decides anything).
+
+    Each step, :meth:`plan` gives every row a :class:`~infer.core.drafter.Budget` or None (plain):
+    the policy picks the rows that may draft, each row's :class:`Gate` may pause it, and the
+    budget's :class:`Price` adds the drafter's measured cost per node (:class:`DraftCost`) to the
+    verify cost of the batch as the row sees it (:class:`BatchCost`). Until that cost is measured
+    a draft is one node deep; where it makes every draft a loss, no row drafts for a pause that
+    starts at ``refusal_pause`` steps and doubles (then the cost is measured again)."""
+
+    def __init__(self, cost=None, policy=None, *, refusal_pause: int = 256, max_refusal_pause: int = 8192):
+        self.cost = cost
+        self.policy = policy if policy is not None else SpecPolicy() if has_timing(cost) or isinstance(cost, OnlineCost) else AllDraft()
+        self.draft = DraftCost()
+        self.refusal = Backoff(refusal_pause, max_refusal_pause)
+        self._sampled_gate: Gate | None = None
+        self._probe = 0  # the row that drafts when the policy probes one
+        self._view = None  # the verify-cost view of the last planned step
+
+    @property
+    def timed(self) -> bool:
+        """Whether the cost curve knows a plain step's seconds (drafting can then be weighed)."""
+        return has_timing(self.cost)
+
+    def gate(self, sampled: bool) -> Gate:
+        """A new row's gate: a sampled row starts from the last sampled row's (:meth:`Gate.carried`),
+        a greedy row fresh (greedy acceptance depends on the prompt: code and copied text against free writing)."""
+        return self._sampled_gate.carried() if sampled and self._sampled_gate is not None else Gate()
+
+    def retire(self, gate: Gate, sampled: bool) -> None:
+        """A row left: a sampled row's gate is what the next sampled row starts from."""
+        if sampled:
+            self._sampled_gate = gate
+
+    def quiet_steps(self, rows: int) -> int:
+        """Coming steps of ``rows`` rows that are plain whatever happens (:meth:`SpecPolicy.quiet_steps`)."""
+        return self.policy.quiet_steps(rows)
+
+    def _view_of(self, rows: int, alone: bool):
+        return self.cost if rows == 1 and not alone else BatchCost(self.cost, rows, alone=alone)
+
+    def price(self, rows: int, alone: bool = False) -> Price | None:
+        """What a draft costs one row of ``rows`` (``alone``: the only one drafting), its drafting
+        rounded to a hundredth of a plain step; None before the drafter's own cost is measured."""
+        view = self._view_of(rows, alone)
+        spn, spt = self.draft.seconds_per_node, getattr(view, "seconds_per_token", None)
+        # to a hundredth of a plain step: a price that stays the same keeps the drafters' cost tables
+        return Price(view, round(spn / spt, 2)) if spn is not None and spt else None
+
+    def plan(self, rows: list[RowView]) -> list:
+        """Each row's budget this step (None: it decodes plainly)."""
+        from .drafter import Budget
+
+        n = len(rows)
+        plan = self.policy.plan(n)
+        if plan == ONE:  # one warm row drafts, the warm rows in turn
+            turn = [(self._probe + 1 + j) % n for j in range(n)]
+            self._probe = next((i for i in turn if rows[i].warm), self._probe)
+        chosen = [r.warm and r.depth > 0 and (plan == ALL or (plan == ONE and i == self._probe)) for i, r in enumerate(rows)]
+        if not any(chosen) or self.cost is None:
+            return [Budget(r.depth) if c else None for r, c in zip(rows, chosen)]
+        if self.timed and self.refusal.waiting():
+            return [None] * n
+        self._view = self._view_of(n, plan == ONE)
+        price, depth = self.price(n, plan == ONE), max(r.depth for r, c in zip(rows, chosen) if c)
+        if price is not None and not price.pays(depth):  # the drafter's own cost makes every draft a loss
+            self.refusal.failed()
+            self.draft.forget()  # measured again after the pause
+            return [None] * n
+        budgets = []
+        for r, c in zip(rows, chosen):
+            if not c or (self.timed and not r.gate.should_draft()):
+                budgets.append(None)
+            elif price is None:  # not measured yet: one node deep, priced by the verifier alone
+                budgets.append(Budget(min(r.depth, 1) if self.timed else r.depth, cost=self._view))
+            else:
+                budgets.append(Budget(r.depth, cost=price))
+        return budgets
+
+    def record(self, step: StepRecord) -> None:
+        """What a decode step measured: the verify pass, the batch's rates, the drafter's cost."""
+        observe = getattr(self.cost, "observe", None)
+        if observe is not None and step.verify_nodes:
+            observe(step.verify_nodes, step.verify_s)
+        self.policy.record(step.rows, step.drafted, step.tokens, step.seconds)
+        if step.drafted:
+            self.draft.observe(step.draft_nodes, step.draft_s)
+
+    def judge(self, gate: Gate, nodes: int, accepted: int, draft_s: float) -> None:
+        """A row's drafted step: ``accepted`` of its ``nodes``-node draft, drafted in its share
+        ``draft_s`` of the proposal (a root-only draft is not judged: it cost no verify time)."""
+        if not self.timed or nodes <= 1 or self._view is None:
+            return
+        spt = self._view.seconds_per_token
+        gate.record((1.0 + accepted) / (float(self._view(nodes)) + draft_s / spt))
+
+    def state(self) -> dict:
+        """What was learnt, for benchmark records."""
+        spn = self.draft.seconds_per_node
+        return {"cost": cost_summary(self.cost), "draft_ms_per_node": round(1e3 * spn, 3) if spn else None,
+                "refusal_pause": self.refusal.skip, "batch": self.policy.state()}
