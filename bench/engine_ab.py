@@ -1,0 +1,91 @@
+"""Two commits of the engine side by side, in one run on one machine: the drafting budget's worst
+case (a draft model as costly as the verifier) and ``auto`` at 1 and 4 rows.
+
+    git worktree add /tmp/engine-before <commit>        # the code to compare against
+    .venv/bin/python bench/engine_ab.py --before /tmp/engine-before --draft-model /tmp/costly-draft \\
+        --out results/engine-ab.json
+
+``--draft-model``: a plain HF directory of the default verifier (``load_verifier("default")``
+then ``save_pretrained``): a draft model exactly as costly per token as the verifier. Every
+measurement is a fresh process of one tree's code (``PYTHONPATH``), the two trees in turns per
+prompt: ``specheads generate --compare --json`` for one row (its speedup is over HF greedy in
+the same process), and ``Speculator.generate`` on four prompts at once against ``--draft none``
+for four rows. Run it with nothing else running on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+BATCH = """
+import json, sys, time
+from infer import Speculator
+prompts, n = json.loads(sys.argv[1]), int(sys.argv[2])
+out = {}
+for draft in ("none", "auto", "none", "auto"):
+    spec = Speculator.from_pretrained("default", draft=draft)
+    spec.generate(prompts[0], max_new_tokens=4)
+    t0 = time.perf_counter()
+    res = spec.generate(prompts, max_new_tokens=n)
+    out.setdefault(draft, []).append((sum(len(r.token_ids) for r in res) / (time.perf_counter() - t0),
+                                      [r.token_ids for r in res]))
+print(json.dumps({d: {"tokens_per_s": max(v[0] for v in runs), "tokens": runs[0][1]} for d, runs in out.items()}))
+"""
+
+
+def run(tree: Path, args: list[str]) -> dict:
+    """One process of ``tree``'s code; its last stdout line as JSON."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, check=True, cwd=tree)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_row(tree: Path, draft: str, prompt: str, n: int) -> dict:
+    got = run(tree, ["-m", "infer.tools.cli", "generate", "--verifier", "default", "--draft", draft,
+                     "--tree-budget", "auto", "--max-new-tokens", str(n), "--compare", "--json", "--prompt", prompt])
+    return {"speedup": got["compare"]["speedup"], "tau": got["compare"]["tau"],
+            "identical": got["compare"]["output_vs_plain"] == "identical"}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", type=Path, required=True, help="a checkout of the commit to compare against")
+    p.add_argument("--draft-model", required=True, help="a plain HF directory of the default verifier")
+    p.add_argument("--prompts", default="configs/prompts/unseen.jsonl")
+    p.add_argument("--limit", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    trees = {"before": args.before.resolve(), "after": Path(__file__).resolve().parents[1]}
+    lines = Path(args.prompts).read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines[:: max(1, len(lines) // args.limit)][: args.limit]]
+    result = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "trees": {k: str(v) for k, v in trees.items()}}
+    for label, draft in (("draft_model", f"model:{Path(args.draft_model).resolve()}"), ("auto_1_row", "auto")):
+        rows = {k: [] for k in trees}
+        for prompt in prompts:
+            for name, tree in trees.items():  # in turns, so that drift hits both alike
+                rows[name].append(one_row(tree, draft, prompt, args.max_new_tokens))
+        result[label] = {k: {"speedups": [r["speedup"] for r in v], "median_speedup": statistics.median(r["speedup"] for r in v),
+                             "tau": statistics.mean(r["tau"] for r in v), "identical": all(r["identical"] for r in v)}
+                         for k, v in rows.items()}
+        print(label, {k: round(v["median_speedup"], 3) for k, v in result[label].items()}, flush=True)
+    batch = {name: run(tree, ["-c", BATCH, json.dumps(prompts[:4]), str(args.max_new_tokens)]) for name, tree in trees.items()}
+    result["auto_4_rows"] = {k: {"speedup_over_none": v["auto"]["tokens_per_s"] / v["none"]["tokens_per_s"],
+                                 "auto_tokens_per_s": v["auto"]["tokens_per_s"], "none_tokens_per_s": v["none"]["tokens_per_s"],
+                                 "identical": v["auto"]["tokens"] == v["none"]["tokens"]} for k, v in batch.items()}
+    print("auto_4_rows", {k: round(v["speedup_over_none"], 3) for k, v in result["auto_4_rows"].items()}, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
