@@ -34,6 +34,7 @@ def test_accelerate_configs_load(name):
         assert ds.is_file()
 
 
+@pytest.mark.slow
 def test_deepspeed_training_run_on_a_gpu(tmp_path):
     """The GPU config itself, where there is a GPU; the CPU variants run in tests/test_deepspeed.py."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is an extra (pip install 'specheads[deepspeed]')")

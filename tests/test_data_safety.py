@@ -248,6 +248,7 @@ def _records(path: Path) -> int:
     return sum(1 for _ in path.open()) - 1 if path.exists() else 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killing_distill_ends_its_child(tmp_path, sig):
@@ -267,6 +268,7 @@ def test_killing_distill_ends_its_child(tmp_path, sig):
         assert set(r) == {"id", "input_ids", "loss_mask"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
 def test_killing_train_ends_accelerate_and_the_trainer(tmp_path):
     parent = _launch(tmp_path, "train", "--config", str(RECIPE), f"output_dir={tmp_path / 'run'}", "max_steps=100000",
@@ -297,6 +299,7 @@ def test_a_second_sigterm_during_the_clean_up_is_ignored():
         signal.signal(signal.SIGTERM, old)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_during_distill_is_one_line_and_exit_130(tmp_path, sig):
@@ -322,6 +325,7 @@ def test_ctrl_c_during_distill_is_one_line_and_exit_130(tmp_path, sig):
 # ------------------------------------------------------------------ 17: the working directory
 
 
+@pytest.mark.slow
 def test_a_heads_folder_in_the_working_directory_does_not_shadow_the_package(tmp_path, monkeypatch, capsys):
     (tmp_path / "heads").mkdir()
     (tmp_path / "heads" / "__init__.py").write_text("raise ImportError('the user’s own heads package')\n")

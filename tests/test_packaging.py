@@ -5,9 +5,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_import_infer_pulls_no_heavy_optional_dependency():
     code = (
         "import sys, infer, heads; "

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from infer.tools.cli import main
 
 
+@pytest.mark.slow
 def test_selfcheck_small_runs_every_part_and_writes_json_and_png(tmp_path, capsys):
     out = tmp_path / "check"
     assert main(["selfcheck", "--device", "cpu", "--small", "--out", str(out)]) == 0, capsys.readouterr().err

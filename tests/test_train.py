@@ -205,6 +205,7 @@ sys.exit(th.main(sys.argv[3:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["between", "mid-write"])
 def test_sigkill_then_resume_is_bit_identical(tmp_path, distilled, uninterrupted, when):
     """A real SIGKILL of a training process at its third checkpoint (step 6): before writing it
@@ -238,6 +239,7 @@ def _launch(*args, procs=1, timeout=300):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_two_process_gloo_run_matches_one_process(tmp_path, distilled):
     common = ["--config", str(RECIPE), f"data={distilled}", "prompts=", "max_steps=3", "save_every=100", "eval_every=100",
               *(f"{k}={v}" for k, v in SGD.items())]
@@ -251,6 +253,7 @@ def test_two_process_gloo_run_matches_one_process(tmp_path, distilled):
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_cli_recipe_trains_a_head_that_generate_loads(tmp_path):
     out = tmp_path / "tiny"
     proc = _launch("--config", str(RECIPE), f"output_dir={out}", timeout=120)
@@ -321,6 +324,7 @@ def test_batched_distill_answers_equal_each_prompt_alone(arch):
     assert min(map(len, got)) < 12 == max(map(len, got))  # rows did leave the batch early, and one ran to the end
 
 
+@pytest.mark.slow
 def test_sampled_distill_answers_follow_the_verifier_distribution():
     """Sampled distillation at temperature T draws each prompt's token from softmax(logits / T) of
     that prompt alone, left padding and all (two prompt lengths in one batch)."""
@@ -410,6 +414,7 @@ def test_feature_cache_and_tensorboard_logging(tmp_path, distilled):
     assert list((tmp_path / "cached").rglob("events.out.tfevents*"))
 
 
+@pytest.mark.slow
 def test_specheads_train_wraps_accelerate_launch(tmp_path, distilled):
     exe = Path(sys.executable).parent / "specheads"
     proc = subprocess.run([str(exe), "train", "--config", str(RECIPE), f"data={distilled}", "prompts=",

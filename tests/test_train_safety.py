@@ -81,6 +81,7 @@ def test_missing_config_file(tmp_path, capsys):
         load_config(tmp_path / "nope.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["nonsense_key=1"], "unknown config key 'nonsense_key'"),
     (["max_steps=0"], "max_steps must be >= 1"),
@@ -129,6 +130,7 @@ def test_launcher_traceback_is_filtered_and_the_childs_status_returned(capfd):
     assert "ZeroDivisionError" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_specheads_train_error_after_launch_is_one_line(tmp_path, data):
     exe = Path(sys.executable).parent / "specheads"
     proc = subprocess.run([str(exe), "train", "--config", str(RECIPE), f"data={data}", "prompts=",
