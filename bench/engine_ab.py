@@ -9,7 +9,7 @@ case (a draft model as costly as the verifier) and ``auto`` at 1 and 4 rows.
 then ``save_pretrained``): a draft model exactly as costly per token as the verifier. Every
 measurement is a fresh process of one tree's code (``PYTHONPATH``), the two trees in turns per
 prompt: ``specheads generate --compare --json`` for one row (its speedup is over HF greedy in
-the same process), and ``Speculator.generate`` on four prompts at once against ``--draft none``
+the same process; the draft model's is also taken over the same tree's ``--draft none``), and ``Speculator.generate`` on four prompts at once against ``--draft none``
 for four rows. Run it with nothing else running on the machine.
 """
 
@@ -56,17 +56,19 @@ def one_row(tree: Path, draft: str, prompt: str, n: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path, required=True, help="a checkout of the commit to compare against")
+    p.add_argument("--after", type=Path, default=Path(__file__).resolve().parents[1], help="the checkout measured (default: this one)")
     p.add_argument("--draft-model", required=True, help="a plain HF directory of the default verifier")
     p.add_argument("--prompts", default="configs/prompts/unseen.jsonl")
     p.add_argument("--limit", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    trees = {"before": args.before.resolve(), "after": Path(__file__).resolve().parents[1]}
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     lines = Path(args.prompts).read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines[:: max(1, len(lines) // args.limit)][: args.limit]]
     result = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "trees": {k: str(v) for k, v in trees.items()}}
-    for label, draft in (("draft_model", f"model:{Path(args.draft_model).resolve()}"), ("auto_1_row", "auto")):
+    for label, draft in (("draft_model", f"model:{Path(args.draft_model).resolve()}"), ("none_1_row", "none"),
+                         ("auto_1_row", "auto")):
         rows = {k: [] for k in trees}
         for prompt in prompts:
             for name, tree in trees.items():  # in turns, so that drift hits both alike
@@ -75,6 +77,10 @@ def main() -> int:
                              "tau": statistics.mean(r["tau"] for r in v), "identical": all(r["identical"] for r in v)}
                          for k, v in rows.items()}
         print(label, {k: round(v["median_speedup"], 3) for k, v in result[label].items()}, flush=True)
+    for name in trees:  # against the same tree's own plain decoding, prompt by prompt
+        ratios = [d / n for d, n in zip(result["draft_model"][name]["speedups"], result["none_1_row"][name]["speedups"])]
+        result["draft_model"][name]["median_over_none"] = statistics.median(ratios)
+    print("draft_model over none", {k: round(result["draft_model"][k]["median_over_none"], 3) for k in trees}, flush=True)
     batch = {name: run(tree, ["-c", BATCH, json.dumps(prompts[:4]), str(args.max_new_tokens)]) for name, tree in trees.items()}
     result["auto_4_rows"] = {k: {"speedup_over_none": v["auto"]["tokens_per_s"] / v["none"]["tokens_per_s"],
                                  "auto_tokens_per_s": v["auto"]["tokens_per_s"], "none_tokens_per_s": v["none"]["tokens_per_s"],

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from infer.core.batch import stack_drafts
+from infer.core.drafter import Draft
 from infer.core.models import load_verifier
 from infer.core.tree import build_tree
 from infer.core.verifier import Verifier
@@ -28,18 +30,19 @@ def chain_pass_times(v: Verifier, context: int, rounds: int, modes=None) -> dict
     a function making a context manager; default: one run with none) in turn within a round;
     each pass commits the root only. Returns {mode name: {nodes: [seconds, ...]}}."""
     modes = modes or {"": contextlib.nullcontext}
-    v.prefill(torch.randint(100, 40000, (context,), generator=torch.Generator().manual_seed(0)))
-    trees = {n: build_tree(list(range(-1, n - 1))) for n in SIZES}
-    tokens = {n: torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n)) for n in SIZES}
-    zero = torch.tensor([0])
+    v.drop_rows([])
+    v.add_rows([torch.randint(100, 40000, (context,), generator=torch.Generator().manual_seed(0))])
+    trees = {n: stack_drafts([Draft(torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n)),
+                                    build_tree(list(range(-1, n - 1))))], v.device) for n in SIZES}
+    zero = torch.zeros(1, 1, dtype=torch.long)
     times = {name: {n: [] for n in SIZES} for name in modes}
     for r in range(rounds + 1):  # round 0 warms up
         for name, make in modes.items():
             for n in SIZES:
                 with make():
                     t0 = time.perf_counter()
-                    v.verify(tokens[n], trees[n])
-                    v.commit(zero, [0])
+                    v.verify_rows(trees[n])
+                    v.commit_rows(zero, [[0]])
                 if r:
                     times[name][n].append(time.perf_counter() - t0)
     return times

@@ -8,7 +8,7 @@ drafters in :mod:`infer.drafting` (the interface in :mod:`infer.core.drafter`), 
 Importing the package does no work (the submodules below import torch and transformers only).
 """
 
-from .core.accept import Acceptance, greedy_accept, sample_accept, typical_accept, warp_probs
+from .core.accept import Acceptance, greedy_rows, q_rows, read_back_rows, typical_rows, warp_probs
 from .core.drafter import Draft, Drafter, NoDrafter
 from .core.engine import Chunk, GenerationResult, GenerationStats, generate, stream
 from .core.errors import UserError
@@ -24,6 +24,6 @@ from .speculator import Speculator
 __all__ = [
     "Acceptance", "Chunk", "Draft", "Drafter", "DynamicTreeSpec", "GenerationResult", "GenerationStats",
     "NoDrafter", "PromptLookupDrafter", "SamplingParams", "Speculator", "StaticTreeSpec", "Tree", "UserError", "Verifier",
-    "build_tree", "encode_prompt", "generate", "generate_text", "greedy_accept", "load_drafter", "load_tree_spec", "load_verifier",
-    "sample_accept", "stream", "typical_accept", "warp_probs",
+    "build_tree", "encode_prompt", "generate", "generate_text", "greedy_rows", "load_drafter", "load_tree_spec", "load_verifier",
+    "q_rows", "read_back_rows", "stream", "typical_rows", "warp_probs",
 ]

@@ -123,3 +123,33 @@ def forked_map(fn, items, workers: int = 2) -> list:
     for k, share in enumerate(results):
         out[k::workers] = share
     return out
+
+
+# ---- one row through the batched verifier (what the product's one-row calls were) --------------
+
+
+def prefill_one(v, ids):
+    """Row 0 of an emptied verifier: the prompt ``ids``; its prefill output."""
+    v.drop_rows([])
+    return v.add_rows([ids])[0]
+
+
+def verify_one(v, tokens, tree):
+    """The one row's tree verified: ``.logits [N, V]`` and ``.features`` (or None)."""
+    from types import SimpleNamespace
+
+    from infer.core.batch import stack_drafts
+    from infer.core.drafter import Draft
+
+    out = v.verify_rows(stack_drafts([Draft(tokens, tree)], v.device))
+    return SimpleNamespace(logits=out.logits[0], features=out.features[0] if out.features is not None else None)
+
+
+def commit_one(v, nodes, node_ids=None):
+    """Keep the one row's accepted ``nodes`` (root first)."""
+    v.commit_rows(nodes.view(1, -1), [list(node_ids) if node_ids is not None else nodes.tolist()])
+
+
+def row_length(v) -> int:
+    """Committed tokens of the one row."""
+    return v.ends[0] - v.starts[0]

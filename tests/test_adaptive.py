@@ -198,3 +198,22 @@ def test_the_budget_refuses_drafts_that_cannot_pay_for_their_drafting(monkeypatc
         else:
             assert drafter.proposed == [1, 1]  # measured with two one-node drafts, then refused
             assert engine.schedule.refusal.skip > 100  # and not asked again for a long pause
+
+
+def test_an_expensive_drafter_that_is_not_accepted_probes_seldom(monkeypatch):
+    """A drafter at half the verifier's cost per token (a fake clock) whose drafts are never
+    accepted: a draft could pay if it were, so it is not refused, but its row's gate pauses it, and
+    a probe that loses holds the pause until the loss is 2% of the plain steps in between."""
+    import infer.core.engine as engine_module
+
+    model = tiny_random_model("llama", vocab_size=256, seed=1)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    spt = 0.05
+    clock = [0.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    drafter = CostlyChain(clock, 0.5 * spt)
+    engine = Engine(model, drafter, budget=Clocked(VerifyCost((1, 2, 4, 8), (1.0, 1.05, 1.15, 1.4)), spt))
+    engine.add(ids, SamplingParams(max_new_tokens=300))
+    list(engine.run())
+    assert engine.schedule.refusal.skip == 0  # never refused: a draft that is accepted would pay
+    assert len(drafter.proposed) <= 8, drafter.proposed  # two to measure, then a few probes in 300 steps

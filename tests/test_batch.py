@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, forked_map, hf_greedy
+from conftest import VOCAB, forked_map, hf_greedy, prefill_one
 from infer import generate, stream
 from infer.core.batch import stack_drafts
 from infer.core.drafter import Budget, NoDrafter, RowDrafter, host_draft
@@ -307,7 +307,7 @@ def test_left_padded_prefill_equals_each_prompt_alone(tiny_model):
     v = Verifier(tiny_model, feature_layers=(-1,))
     outs = v.add_rows(ps)
     for p, out in zip(ps, outs):
-        alone = Verifier(tiny_model, feature_layers=(-1,)).prefill(p)
+        alone = prefill_one(Verifier(tiny_model, feature_layers=(-1,)), p)
         torch.testing.assert_close(out.logits, alone.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out.features, alone.features, atol=1e-4, rtol=1e-4)
     assert v.starts == [29, 0, 19] and v.ends == [31, 31, 31]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import VOCAB, hf_greedy
+from conftest import VOCAB, commit_one, hf_greedy, prefill_one, verify_one
 from infer import generate
 from infer.core import kernels
 from infer.core.errors import UserError
@@ -61,9 +61,9 @@ def test_tree_logits_on_onednn_equal_stock_sequential_logits(tiny_model):
     prefix, tokens, parents = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], [-1, 0, 0, 1, 1, 3]
     v = Verifier(tiny_model, feature_layers=(-1,), linear="onednn")
     assert v.kernel == "onednn"
-    v.prefill(torch.tensor(prefix))
+    prefill_one(v, torch.tensor(prefix))
     tree = build_tree(parents)
-    out = v.verify(torch.tensor(tokens), tree)
+    out = verify_one(v, torch.tensor(tokens), tree)
     for i in range(tree.num_nodes):
         path = tree.ancestor_mask[i].nonzero().flatten().tolist()
         with torch.no_grad():
@@ -140,16 +140,16 @@ def test_measure_forwards_times_each_token_count_on_both_kernels(llama, onednn_r
 def test_hybrid_verifier_runs_one_token_passes_and_long_prompts_with_no_mode_and_tree_passes_on_onednn(tiny_model, onednn_rows):
     rows = onednn_rows
     v = Verifier(tiny_model, linear="hybrid")
-    v.prefill(torch.tensor([3, 1, 4]))
+    prefill_one(v, torch.tensor([3, 1, 4]))
     assert 3 in rows and 1 not in rows  # the prompt's products on oneDNN
     rows.clear()
-    v.verify(torch.tensor([5]), build_tree([-1]))
+    verify_one(v, torch.tensor([5]), build_tree([-1]))
     assert rows == []
-    v.commit(torch.tensor([0]), [0])
-    v.verify(torch.tensor([5, 9, 2]), build_tree([-1, 0, 0]))
+    commit_one(v, torch.tensor([0]), [0])
+    verify_one(v, torch.tensor([5, 9, 2]), build_tree([-1, 0, 0]))
     assert 3 in rows and 1 not in rows
     rows.clear()
-    v.prefill(torch.arange(kernels.HYBRID_MAX_ROWS + 1))  # a long prompt: the stock kernel, faster there
+    prefill_one(v, torch.arange(kernels.HYBRID_MAX_ROWS + 1))  # a long prompt: the stock kernel, faster there
     assert rows == []
 
 

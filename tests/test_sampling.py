@@ -168,14 +168,19 @@ N_STEP = 20_000
 def _first_tokens(draft_fn, n=N_STEP) -> torch.Tensor:
     """Counts ``[6]`` of the first emitted token over ``n`` one-step verifications against a
     context-free verifier ``P_STEP``."""
-    from infer.core.accept import sample_accept
+    from infer.core.accept import q_rows, read_back_rows
+    from infer.core.batch import stack_drafts
 
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(len(P_STEP))
     for _ in range(n):
         tokens, tree, q = draft_fn(g)
-        p = P_STEP.expand(tree.num_nodes, -1)
-        counts[sample_accept(tokens, tree, p, q, g).tokens[0]] += 1
+        trees = stack_drafts([Draft(tokens, tree, q)], "cpu")
+        p = P_STEP.expand(1, tree.num_nodes, -1)
+        q = trees.q if trees.q is not None else torch.zeros_like(p)
+        u = torch.rand(1, tree.num_nodes, generator=g, dtype=torch.float64)
+        end, bonus = q_rows(trees, p, q, u, torch.rand(1, generator=g, dtype=torch.float64))
+        counts[read_back_rows(trees, end, bonus).rows[0].tokens[0]] += 1
     return counts
 
 

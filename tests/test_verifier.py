@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from conftest import VOCAB, hf_greedy
+from conftest import VOCAB, commit_one, hf_greedy, prefill_one, row_length, verify_one
 from infer import generate
 from infer.core.errors import UserError
 from infer.core.models import tiny_random_model
@@ -30,9 +30,9 @@ def test_tree_logits_equal_sequential_logits(tiny_model, case):
     parents, tokens, prefix = case
     layers = (1, -1)
     v = Verifier(tiny_model, feature_layers=layers)
-    v.prefill(torch.tensor(prefix))
+    prefill_one(v, torch.tensor(prefix))
     tree = build_tree(parents)
-    out = v.verify(torch.tensor(tokens), tree)
+    out = verify_one(v, torch.tensor(tokens), tree)
     for i in range(tree.num_nodes):
         path = tree.ancestor_mask[i].nonzero().flatten().tolist()
         seq = torch.tensor(prefix + [tokens[j] for j in path])[None]
@@ -67,7 +67,7 @@ def test_cache_after_many_steps_equals_plain_forward(tiny_model):
     assert res.token_ids == ref
     assert res.stats.verify_steps > 8 and max(i for i, c in enumerate(res.stats.accepted_hist) if c) > 1
     committed = torch.cat([prompt, torch.tensor(ref[:-1])])  # the last token never entered the cache
-    assert v.length == committed.numel()
+    assert row_length(v) == committed.numel()
     plain = DynamicCache()
     with torch.no_grad():
         tiny_model(committed[None], past_key_values=plain, use_cache=True)
@@ -79,11 +79,11 @@ def test_cache_after_many_steps_equals_plain_forward(tiny_model):
 
 def test_commit_moves_entries_in_place(llama):
     v = Verifier(llama)
-    v.prefill(torch.arange(5))
-    v.verify(torch.tensor([1, 2, 3, 4]), build_tree([-1, 0, 0, 2]))
+    prefill_one(v, torch.arange(5))
+    verify_one(v, torch.tensor([1, 2, 3, 4]), build_tree([-1, 0, 0, 2]))
     before = v.cache.layers[0].keys
-    v.commit(torch.tensor([0, 2, 3]))
-    assert v.length == 8
+    commit_one(v, torch.tensor([0, 2, 3]))
+    assert row_length(v) == 8
     assert v.cache.layers[0].keys.shape[2] == 8
     assert v.cache.layers[0].keys.data_ptr() == before.data_ptr()  # a view of the same storage
 

@@ -1,16 +1,17 @@
-"""Acceptance rules: which root-to-node path of a verified tree to keep, and the bonus token.
+"""Acceptance rules: which root-to-node path of each row's verified tree to keep, and the bonus token.
 
-All functions are pure (the only state is an explicit ``torch.Generator``, where one is taken).
-They take the draft tree's tokens and topology and the verifier's outputs at every node, and
-return an :class:`Acceptance`: the accepted node indices (root first) and the verifier's own next
-token after the last accepted node.
+All functions are pure tensor functions over a batch of rows (a :class:`~infer.core.batch.TreeBatch`;
+one prompt is a batch of one): each rule returns every row's accepted end node and bonus token
+on the device, and :func:`read_back_rows` reads them to the host once for the whole batch, as an
+:class:`Acceptance` per row (the accepted node indices, root first, and the new tokens).
 
 Exact sampling of a deterministic draft needs no rule of its own: the verifier's token after each
 node is drawn with counter-based noise (:func:`position_uniforms`, :func:`noise_sample`) and the
-greedy rule accepts a child when it equals its parent's token. A child is then accepted with
-probability ``p(child)``, as with sibling-by-sibling rejection, and the emitted text depends on
-the seed, the positions and the verifier alone. :func:`sample_accept` is the rule for drafts
-that carry their ``q``.
+greedy rule (:func:`greedy_rows`) accepts a child when it equals its parent's token. A child is
+then accepted with probability ``p(child)``, as with sibling-by-sibling rejection, and the emitted
+text depends on the seed, the positions and the verifier alone. :func:`q_rows` is the rule for
+drafts that carry their ``q``; :func:`typical_rows` is Medusa's lossy one. Their noise is counter
+based too (:func:`row_uniforms`), so no rule keeps state.
 
 Names follow the papers: ``p`` is the verifier's (target) distribution, ``q`` the draft's.
 """
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from .batch import TreeBatch
-from .tree import Tree, at
 
 
 @dataclass(frozen=True)
@@ -42,19 +42,6 @@ class Acceptance:
     bonus: int
     node_ids: tuple[int, ...]
     tokens: tuple[int, ...]
-
-
-def _read_back(tokens: torch.Tensor, tree: Tree, end: torch.Tensor, bonus: torch.Tensor) -> Acceptance:
-    """The path from the root to node ``end`` (0-dim) and the ``bonus`` token (0-dim), read to the
-    host in one transfer: the only device read of a verify step."""
-    n = tree.num_nodes
-    on_path = at(tree.ancestor_mask, end)  # [N]: ancestors come first in topological order
-    path = torch.sort(torch.where(on_path, torch.arange(n, device=on_path.device), n)).values  # [N], padded with n
-    packed = torch.cat([on_path.sum().view(1), bonus.view(1).to(torch.long), path, tokens.to(path.device)[path.clamp(max=n - 1)]])
-    host = packed.tolist()
-    k, bonus_id = host[0], host[1]
-    return Acceptance(nodes=path[:k], bonus=bonus_id, node_ids=tuple(host[2 : 2 + k]),
-                      tokens=tuple(host[3 + n : 2 + n + k]) + (bonus_id,))
 
 
 def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -132,168 +119,6 @@ def noise_sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, idx, p.argmax(-1, keepdim=True)).squeeze(-1)
 
 
-def _deepest_valid(tree: Tree, node_ok: torch.Tensor) -> torch.Tensor:
-    """Index (0-dim) of the deepest node whose whole root path is ``node_ok`` (first on ties)."""
-    path_ok = ~(tree.ancestor_mask & ~node_ok[None, :]).any(-1)  # [N]
-    return torch.where(path_ok, tree.depths, -1).argmax()
-
-
-def greedy_accept(tokens: torch.Tensor, tree: Tree, target: torch.Tensor) -> Acceptance:
-    """Greedy verification.
-
-    Args:
-        tokens: ``[N]`` draft tokens (node 0 = root).
-        tree: the draft's topology.
-        target: ``[N]`` the verifier's argmax after each node.
-
-    A node is accepted when its token equals the verifier's argmax at its parent and its parent
-    is accepted; the longest such path is kept and ``target`` at its end is the bonus token, so
-    the output equals plain greedy decoding token for token. Tensor operations on the tree's
-    device, one read back.
-    """
-    tokens, target = tokens.to(tree.device), target.to(tree.device)
-    match = torch.ones(tree.num_nodes, dtype=torch.bool, device=tree.device)
-    match[1:] = tokens[1:] == target[tree.parents[1:]]
-    best = _deepest_valid(tree, match)
-    return _read_back(tokens, tree, best, at(target, best))
-
-
-def _sibling_before(tree: Tree) -> torch.Tensor:
-    """``[N, N]`` bool: ``[i, j]`` when ``j`` is an earlier sibling of ``i`` (tried before it)."""
-    n = tree.num_nodes
-    idx = torch.arange(n, device=tree.device)
-    same = (tree.parents[:, None] == tree.parents[None, :]) & (idx[None, :] < idx[:, None])
-    same[0] = False
-    return same
-
-
-def sample_accept(
-    tokens: torch.Tensor,
-    tree: Tree,
-    p: torch.Tensor,
-    q: torch.Tensor | None,
-    generator: torch.Generator | None,
-) -> Acceptance:
-    """Lossless multi-candidate tree rejection sampling (SpecInfer / EAGLE).
-
-    Args:
-        tokens: ``[N]`` draft tokens (node 0 = root).
-        tree: the draft's topology; siblings are tried in index order.
-        p: ``[N, V]`` the verifier's (warped) distribution after each node.
-        q: ``[N, V]`` or None. Row ``i`` is the distribution node ``i``'s token was drawn from,
-            given its earlier siblings (for i.i.d. children: the parent's draft distribution; for
-            draws without replacement: that distribution without the earlier siblings). ``None``,
-            or a row that gives the token no mass, means a deterministic draft (one-hot ``q``).
-        generator: the source of randomness (same seed, same result).
-
-    Walking down from the root with ``r = p(node)``: child ``x`` (drawn from ``q_x``) is accepted
-    with probability ``min(1, r(x) / q_x(x))``; on rejection ``r <- norm(max(r - q_x, 0))`` and the
-    next sibling is tried. When no child is accepted, the bonus token is drawn from ``r``. The
-    emitted tokens are distributed exactly as sampling from ``p`` one token at a time.
-
-    One uniform per node is drawn up front; everything runs on the device with one read back.
-    For deterministic drafts (``q`` None) all nodes are decided at once: after rejecting the
-    earlier siblings ``x_1..x_{j-1}``, ``r(x_j) = p(x_j) / (1 - sum p(x_i))``.
-    """
-    dev = p.device
-    tree = tree.to(dev)
-    tokens = tokens.to(dev)
-    n = tree.num_nodes
-    u = torch.rand(n, generator=generator, device=dev)
-    if q is not None:
-        return _sample_accept_q(tokens, tree, p, q.to(dev), u, generator)
-    parents = tree.parents.clamp(min=0)
-    px = p[parents, tokens]  # [N]: p of each node's token at its parent
-    before = _sibling_before(tree)
-    dup = (before & (tokens[None, :] == tokens[:, None])).any(-1)  # a repeated sibling is never accepted
-    px = torch.where(dup, 0.0, px)
-    tried_mass = (before.float() * px[None, :]).sum(-1)  # p-mass of the earlier siblings
-    left = (1.0 - tried_mass).clamp(min=0.0)
-    ok = u * left < px  # accepted, had it been tried
-    ok[0] = True
-    first = ok & ~(before & ok[None, :]).any(-1)  # the first accepted sibling is the one taken
-    end = _deepest_valid(tree, first)
-    children = (tree.parents == end) & (torch.arange(n, device=dev) > 0)  # all tried and rejected
-    residual = at(p, end)
-    drop = torch.zeros(p.shape[-1] + 1, dtype=torch.bool, device=dev)
-    drop[torch.where(children, tokens, p.shape[-1])] = True
-    residual = residual.masked_fill(drop[:-1], 0.0)
-    total = residual.sum()
-    residual = torch.where(total > 1e-12, residual / total.clamp(min=1e-30), at(p, end))
-    bonus = torch.multinomial(residual, 1, generator=generator)[0]
-    return _read_back(tokens, tree, end, bonus)
-
-
-def _sample_accept_q(tokens, tree: Tree, p, q, u, generator) -> Acceptance:
-    """``sample_accept`` for drafts that report their ``q``: sibling by sibling, but with tensor
-    operations only (a fixed number of steps: depth x width), so nothing is read mid-way."""
-    dev = p.device
-    n, vocab = tree.num_nodes, p.shape[-1]
-    before = _sibling_before(tree)
-    rank = before.sum(-1)  # [N]: position among siblings
-    idx = torch.arange(n, device=dev)
-    node = torch.zeros((), dtype=torch.long, device=dev)
-    done = torch.zeros((), dtype=torch.bool, device=dev)
-    residual = p[0].clone()
-    for _ in range(tree.max_depth):
-        moved = torch.zeros((), dtype=torch.bool, device=dev)
-        for j in range(max(tree.width, 1)):
-            is_child = (tree.parents == node) & (rank == j) & (idx > 0)
-            exists = is_child.any() & ~done & ~moved
-            c = torch.where(is_child, idx, 0).max()
-            x = at(tokens, c)
-            qc = at(q, c)
-            qx = at(qc, x)
-            det = qx <= 0.0  # deterministic candidate: one-hot q
-            qx = torch.where(det, 1.0, qx)
-            accept = exists & (at(u, c) * qx < at(residual, x))
-            reject = exists & ~accept
-            onehot = torch.zeros(vocab, device=dev).index_fill_(0, x.view(1), 1.0)
-            qvec = torch.where(det, onehot, qc)
-            rejected = (residual - qvec).clamp(min=0.0)
-            total = rejected.sum()
-            rejected = torch.where(total > 1e-12, rejected / total.clamp(min=1e-30), at(p, node))
-            residual = torch.where(accept, at(p, c), torch.where(reject, rejected, residual))
-            node = torch.where(accept, c, node)
-            moved = moved | accept
-        done = done | ~moved
-    bonus = torch.multinomial(residual, 1, generator=generator)[0]
-    return _read_back(tokens, tree, node, bonus)
-
-
-def typical_accept(
-    tokens: torch.Tensor,
-    tree: Tree,
-    probs: torch.Tensor,
-    *,
-    posterior_threshold: float = 0.09,
-    posterior_alpha: float = 0.3,
-    generator: torch.Generator | None = None,
-) -> Acceptance:
-    """Medusa's typical acceptance. **Lossy**: the output does not follow the verifier's
-    distribution exactly; it is off unless asked for.
-
-    Args:
-        tokens: ``[N]`` draft tokens; tree: topology; probs: ``[N, V]`` the verifier's
-            temperature-scaled distribution after each node.
-
-    A child is accepted when its probability under the verifier exceeds
-    ``min(posterior_threshold, posterior_alpha * exp(-entropy))`` at its parent; the longest
-    accepted path is kept and the bonus token is sampled from the verifier at its end.
-    """
-    probs = probs.float()
-    tree = tree.to(probs.device)
-    entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # [N]
-    threshold = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * entropy.neg().exp())
-    tokens = tokens.to(probs.device)
-    parents = tree.parents
-    ok = torch.ones(tree.num_nodes, dtype=torch.bool, device=probs.device)
-    ok[1:] = probs[parents[1:], tokens[1:]] > threshold[parents[1:]]
-    best = _deepest_valid(tree, ok)
-    bonus = torch.multinomial(at(probs, best), 1, generator=generator)[0]
-    return _read_back(tokens, tree, best, bonus)
-
-
 # --------------------------------------------------------------------------------------------
 # A batch of rows: one tree per row (infer.core.batch.TreeBatch), one read back for them all
 # --------------------------------------------------------------------------------------------
@@ -321,7 +146,7 @@ def _row_at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return t.gather(1, index).squeeze(1)
 
 
-def _read_back_rows(trees: TreeBatch, end: torch.Tensor, bonus: torch.Tensor) -> RowsAcceptance:
+def read_back_rows(trees: TreeBatch, end: torch.Tensor, bonus: torch.Tensor) -> RowsAcceptance:
     """Every row's path from its root to node ``end[b]`` and its ``bonus[b]`` token, read to the
     host in one transfer for the whole batch."""
     b, n = trees.tokens.shape
@@ -346,29 +171,121 @@ def _deepest_valid_rows(trees: TreeBatch, node_ok: torch.Tensor) -> torch.Tensor
     return torch.where(path_ok, trees.depths, -1).argmax(-1)
 
 
-def greedy_accept_rows(trees: TreeBatch, target: torch.Tensor) -> RowsAcceptance:
-    """:func:`greedy_accept` for every row of a batch at once.
 
-    Args:
-        trees: the rows' drafts, padded (padding nodes are never accepted).
-        target: ``[B, N]`` the verifier's argmax after each node of each row.
-    """
+
+# --------------------------------------------------------------------------------------------
+# Every rule for a batch: each returns the rows' accepted end nodes and bonus tokens, ``[B]``
+# each, on the device; :func:`read_back_rows` reads them once for the whole batch
+# --------------------------------------------------------------------------------------------
+
+#: seed streams of a row's noise, one per use: the sampled token at each position (the seed
+#: itself), the acceptance of a node with its ``q``, and the bonus token of a q or typical row
+_NODE_STREAM, _BONUS_STREAM = 0x5BD1E995_00000000, 0x27D4EB2F_00000000
+#: a step's node ``i`` draws at position ``first * NODE_SLOTS + i`` of its stream (trees are smaller)
+NODE_SLOTS = 2048
+
+
+def greedy_rows(trees: TreeBatch, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(end, bonus)`` ``[B]`` each: a child is accepted when it equals ``target [B, N]`` (the
+    verifier's token) at its parent; the bonus is the target at the end."""
     parents = trees.parents.clamp(min=0)
     match = trees.valid & (trees.tokens == target.gather(1, parents))
     match[:, 0] = True
-    best = _deepest_valid_rows(trees, match)
-    return _read_back_rows(trees, best, target.gather(1, best[:, None])[:, 0])
+    end = _deepest_valid_rows(trees, match)
+    return end, target.gather(1, end[:, None])[:, 0]
 
 
-def row_tree(trees: TreeBatch, r: int) -> tuple[torch.Tensor, Tree]:
-    """Row ``r`` of a batch as its own ``(tokens [N_r], tree)`` (views; the sizes are host ints)."""
-    k = trees.sizes[r]
-    return trees.tokens[r, :k], Tree(trees.parents[r, :k], trees.depths[r, :k], trees.ancestor_mask[r, :k, :k],
-                                     trees.max_depth, trees.width)
+def row_uniforms(keys: torch.Tensor, first: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance noise of rows keyed ``keys [B]`` (on the device) whose step's first new
+    token goes at position ``first[b]`` (host ints): one uniform per node ``[B, n]`` and one for
+    the bonus ``[B]`` (float64), from streams of their own (:func:`position_uniforms`)."""
+    nodes = torch.arange(n, device=keys.device)
+    at_nodes = torch.stack([nodes + f * NODE_SLOTS for f in first])  # made on the device: no copy
+    at_bonus = torch.stack([nodes[:1] + f for f in first])
+    return position_uniforms(keys ^ _NODE_STREAM, at_nodes), position_uniforms(keys ^ _BONUS_STREAM, at_bonus)[:, 0]
 
 
-def stack_acceptances(accs: Sequence[Acceptance], n: int, device) -> RowsAcceptance:
-    """Rows accepted one by one, as one :class:`RowsAcceptance` (paths padded to ``n``)."""
-    paths = torch.stack([torch.cat([a.nodes.to(device), a.nodes.new_zeros(n - a.nodes.numel()).to(device)]) for a in accs])
-    lengths = torch.tensor([len(a.node_ids) for a in accs], dtype=torch.long).to(device, non_blocking=True)
-    return RowsAcceptance(paths, lengths, tuple(accs))
+def rows_of(trees: TreeBatch, rows: Sequence[int]) -> TreeBatch:
+    """The batch of ``trees``' rows ``rows`` (host ints; stacked views: nothing copied from the host)."""
+    pick = lambda t: torch.stack([t[r] for r in rows])  # noqa: E731
+    return TreeBatch(pick(trees.tokens), pick(trees.parents), pick(trees.depths), pick(trees.ancestor_mask),
+                     pick(trees.valid), pick(trees.q) if trees.q is not None else None,
+                     tuple(trees.sizes[r] for r in rows), trees.max_depth, trees.width)
+
+
+def typical_rows(trees: TreeBatch, probs: torch.Tensor, u_bonus: torch.Tensor, *, posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Medusa's typical acceptance, every row at once: ``(end, bonus)`` ``[B]``. **Lossy**: the
+    output does not follow the verifier's distribution exactly; it is off unless asked for.
+
+    ``probs [B, N, V]``: the verifier's temperature-scaled distribution after each node. A child is
+    accepted when its probability at its parent exceeds ``min(posterior_threshold,
+    posterior_alpha * exp(-entropy))`` there; the bonus is sampled (``u_bonus [B]``) at the end."""
+    probs = probs.float()
+    b, n, v = probs.shape
+    entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # [B, N]
+    threshold = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * entropy.neg().exp())
+    parents = trees.parents.clamp(min=0)
+    px = probs.reshape(b, n * v).gather(1, parents * v + trees.tokens)  # [B, N]: each token's p at its parent
+    ok = trees.valid & (px > threshold.gather(1, parents))
+    ok[:, 0] = True
+    end = _deepest_valid_rows(trees, ok)
+    return end, noise_sample(_row_at(probs, end), u_bonus)
+
+
+def _siblings_before_rows(trees: TreeBatch) -> torch.Tensor:
+    """``[B, N, N]`` bool: ``[b, i, j]`` when ``j`` is an earlier sibling of ``i`` (tried before it)."""
+    n = trees.tokens.shape[1]
+    idx = torch.arange(n, device=trees.tokens.device)
+    same = (trees.parents[:, :, None] == trees.parents[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
+    same &= trees.valid[:, :, None] & trees.valid[:, None, :]
+    same[:, 0] = False
+    return same
+
+
+def q_rows(trees: TreeBatch, p: torch.Tensor, q: torch.Tensor, u: torch.Tensor,
+           u_bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless multi-candidate tree rejection sampling (SpecInfer / EAGLE) for drafts that carry
+    their ``q``, every row at once: ``(end, bonus)`` ``[B]``.
+
+    Args:
+        trees: the drafts; siblings are tried in index order.
+        p: ``[B, N, V]`` the verifier's (warped) distribution after each node.
+        q: ``[B, N, V]``: row ``i`` is the distribution node ``i``'s token was drawn from given its
+            earlier siblings; a row that gives the token no mass is a deterministic candidate.
+        u: ``[B, N]`` uniforms, one per node; u_bonus: ``[B]``, for the bonus token.
+
+    Walking down from the root with ``r = p(node)``: child ``x`` is accepted with probability
+    ``min(1, r(x) / q_x(x))``; on rejection ``r <- norm(max(r - q_x, 0))`` and the next sibling is
+    tried; when none is accepted the bonus is drawn from ``r``. The emitted tokens are distributed
+    exactly as sampling from ``p`` one token at a time. A fixed number of tensor steps (depth x
+    width), nothing read mid-way."""
+    b, n, v = p.shape
+    dev = p.device
+    rank = _siblings_before_rows(trees).sum(-1)  # [B, N]: position among siblings
+    idx = torch.arange(n, device=dev)
+    node = torch.zeros(b, dtype=torch.long, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    residual = p[:, 0].clone()
+    for _ in range(trees.max_depth):
+        moved = torch.zeros(b, dtype=torch.bool, device=dev)
+        for j in range(max(trees.width, 1)):
+            is_child = (trees.parents == node[:, None]) & (rank == j) & (idx > 0) & trees.valid
+            exists = is_child.any(-1) & ~done & ~moved
+            c = torch.where(is_child, idx, 0).max(-1).values  # [B]
+            x = trees.tokens.gather(1, c[:, None])[:, 0]
+            qc = _row_at(q, c)  # [B, V]
+            qx = qc.gather(1, x[:, None])[:, 0]
+            det = qx <= 0.0  # a deterministic candidate: one-hot q
+            qx = torch.where(det, 1.0, qx)
+            accept = exists & (u.gather(1, c[:, None])[:, 0] * qx < residual.gather(1, x[:, None])[:, 0])
+            reject = exists & ~accept
+            qvec = torch.where(det[:, None], torch.zeros_like(qc).scatter_(1, x[:, None], 1.0), qc)
+            rejected = (residual - qvec).clamp(min=0.0)
+            total = rejected.sum(-1, keepdim=True)
+            rejected = torch.where(total > 1e-12, rejected / total.clamp(min=1e-30), _row_at(p, node))
+            residual = torch.where(accept[:, None], _row_at(p, c), torch.where(reject[:, None], rejected, residual))
+            node = torch.where(accept, c, node)
+            moved = moved | accept
+        done = done | ~moved
+    return node, noise_sample(residual, u_bonus)

@@ -40,7 +40,7 @@ class Draft:
         tokens: ``[N]`` long; node 0 is the root token (already emitted, not yet verified).
         tree: topology of the ``N`` nodes.
         q: ``[N, V]`` or None: the distribution each node's token was drawn from given its earlier
-            siblings (see :func:`infer.core.accept.sample_accept`); None for deterministic drafts.
+            siblings (see :func:`infer.core.accept.q_rows`); None for deterministic drafts.
         host: ``(tokens, parents)`` as host tuples when the drafter knows them without reading
             the device (then merging drafts reads nothing), else None.
 

@@ -21,15 +21,15 @@ import torch
 
 from .accept import (
     RowsAcceptance,
-    greedy_accept,
-    greedy_accept_rows,
+    greedy_rows,
     noise_sample,
     position_uniforms,
-    row_tree,
-    sample_accept,
+    q_rows,
+    read_back_rows,
+    row_uniforms,
+    rows_of,
     seed_tensor,
-    stack_acceptances,
-    typical_accept,
+    typical_rows,
     warp_probs,
 )
 from .batch import TreeBatch, prefill_groups, stack_drafts
@@ -682,35 +682,40 @@ class Engine:
         return noise_sample(warp_probs(logits, max(p.temperature, 1e-5), p.top_k, p.top_p), u)
 
     def _accept(self, rows: list[_Row], trees: TreeBatch, logits: torch.Tensor, drafts: list[Draft]) -> RowsAcceptance:
-        """Every row's acceptance. A row's target after each node is the verifier's token there:
-        its argmax (greedy), or the token its seeded noise samples (exact sampling of a
-        deterministic draft, :meth:`_sample`); a child is accepted when it equals its parent's
-        target, so those rows are accepted together by one rule with one read back. A row whose
-        draft carries ``q``, or that asks for typical acceptance, is accepted alone."""
+        """Every row's acceptance, with one read back for the batch. A row's target after each node
+        is the verifier's token there: its argmax (greedy), or the token its seeded noise samples
+        (exact sampling of a deterministic draft, :meth:`_sample`); a child is accepted when it
+        equals its parent's target. Rows whose draft carries ``q`` (tree rejection sampling) and
+        rows that ask for typical acceptance take their own rule, batched too, on noise keyed by
+        their seed (:func:`~infer.core.accept.row_uniforms`)."""
         target = logits.argmax(-1)
-        alone = [not r.greedy and (r.params.acceptance == "typical" or drafts[b].q is not None) for b, r in enumerate(rows)]
+        typical = [b for b, r in enumerate(rows) if not r.greedy and r.params.acceptance == "typical"]
+        with_q = [b for b, r in enumerate(rows) if not r.greedy and b not in typical and drafts[b].q is not None]
         for b, row in enumerate(rows):
-            if not row.greedy and not alone[b]:
+            if not row.greedy and b not in typical and b not in with_q:
                 target[b] = self._sample(row, logits[b], trees.depths[b])
-        if not any(alone):
-            return greedy_accept_rows(trees, target)
-        accs = []
-        for b, row in enumerate(rows):
-            tokens, tree = row_tree(trees, b)
-            if not alone[b]:
-                accs.append(greedy_accept(tokens, tree, target[b, : tree.num_nodes]))
-            elif row.params.acceptance == "typical":
-                probs = warp_probs(logits[b, : tree.num_nodes], max(row.params.temperature, 1e-5), row.params.top_k, row.params.top_p)
-                accs.append(typical_accept(tokens, tree, probs, generator=row.generator))
-            else:
-                q = drafts[b].q
-                accs.append(sample_accept(tokens, tree, _probs(row.params, logits[b, : tree.num_nodes]), q, row.generator))
-        return stack_acceptances(accs, trees.num_nodes, self.verifier.device)
+        end, bonus = greedy_rows(trees, target)
+        for group, rule in ((typical, self._typical), (with_q, self._with_q)):
+            if group:
+                end_g, bonus_g = rule([rows[b] for b in group], rows_of(trees, group), torch.stack([logits[b] for b in group]))
+                for i, b in enumerate(group):  # device copies into the batch's results: nothing read
+                    end[b], bonus[b] = end_g[i], bonus_g[i]
+        return read_back_rows(trees, end, bonus)
 
+    def _noise(self, rows: list[_Row], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The acceptance uniforms of ``rows`` this step: ``[R, n]`` per node and ``[R]`` for the bonus."""
+        first = [r.ids.numel() + len(r.stopper.tokens) for r in rows]
+        return row_uniforms(torch.cat([r.key for r in rows]), first, n)
 
-def _probs(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
-    """A row's sampling distribution after each node (``logits [N, V]``)."""
-    return warp_probs(logits, params.temperature, params.top_k, params.top_p)
+    def _typical(self, rows: list[_Row], trees: TreeBatch, logits: torch.Tensor):
+        probs = torch.stack([warp_probs(lg, max(r.params.temperature, 1e-5), r.params.top_k, r.params.top_p)
+                             for r, lg in zip(rows, logits)])
+        return typical_rows(trees, probs, self._noise(rows, trees.num_nodes)[1])
+
+    def _with_q(self, rows: list[_Row], trees: TreeBatch, logits: torch.Tensor):
+        p = torch.stack([warp_probs(lg, r.params.temperature, r.params.top_k, r.params.top_p) for r, lg in zip(rows, logits)])
+        u, u_bonus = self._noise(rows, trees.num_nodes)
+        return q_rows(trees, p, trees.q.to(p.dtype), u, u_bonus)
 
 
 def generate(verifier, drafter: Drafter | None, input_ids, **kwargs) -> GenerationResult | list[GenerationResult]:

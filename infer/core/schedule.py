@@ -585,10 +585,12 @@ class Schedule:
     budget's :class:`Price` adds the drafter's measured cost per node (:class:`DraftCost`) to the
     verify cost of the batch as the row sees it (:class:`BatchCost`). Until that cost is measured
     a draft is one node deep; where it makes every draft a loss, no row drafts for a pause that
-    starts at ``refusal_pause`` steps and doubles (then the cost is measured again)."""
+    starts at ``refusal_pause`` steps and doubles (then the cost is measured again). A row whose
+    probe loses waits until the loss is ``probe_share`` of the plain steps in between."""
 
-    def __init__(self, cost=None, policy=None, *, refusal_pause: int = 256, max_refusal_pause: int = 8192):
-        self.cost = cost
+    def __init__(self, cost=None, policy=None, *, refusal_pause: int = 256, max_refusal_pause: int = 8192,
+                 probe_share: float = 0.02):
+        self.cost, self.probe_share = cost, probe_share
         self.policy = policy if policy is not None else SpecPolicy() if has_timing(cost) or isinstance(cost, OnlineCost) else AllDraft()
         self.draft = DraftCost()
         self.refusal = Backoff(refusal_pause, max_refusal_pause)
@@ -667,11 +669,17 @@ class Schedule:
 
     def judge(self, gate: Gate, nodes: int, accepted: int, draft_s: float) -> None:
         """A row's drafted step: ``accepted`` of its ``nodes``-node draft, drafted in its share
-        ``draft_s`` of the proposal (a root-only draft is not judged: it cost no verify time)."""
+        ``draft_s`` of the proposal (a root-only draft is not judged: it cost no verify time).
+        A probe (the first draft after a pause) that does not pay pauses the row at least until
+        what it lost is ``probe_share`` of the plain steps in between, as the batch's probes do:
+        an expensive drafter (a draft model) then probes seldom."""
         if not self.timed or nodes <= 1 or self._view is None:
             return
-        spt = self._view.seconds_per_token
-        gate.record((1.0 + accepted) / (float(self._view(nodes)) + draft_s / spt))
+        cost = float(self._view(nodes)) + draft_s / self._view.seconds_per_token  # in plain steps of this row
+        probe = gate.backoff.pause > gate.backoff.first
+        gate.record((1.0 + accepted) / cost)
+        if probe and gate.backoff.skip:
+            gate.backoff.hold(math.ceil((cost - 1.0 - accepted) / self.probe_share))
 
     def state(self) -> dict:
         """What was learnt, for benchmark records."""

@@ -1,11 +1,12 @@
 """The verifier adapter: an unmodified HF ``AutoModelForCausalLM`` driven through its public API.
 
-One generation at a time (batch 1). :meth:`Verifier.prefill` runs the prompt;
-:meth:`Verifier.verify` runs a whole draft tree in one forward pass, with a 4D attention mask in
-which every node sees the committed prefix and its own ancestors, and ``position_ids`` = prefix
-length + depth; :meth:`Verifier.commit` keeps exactly the accepted path in the KV cache, moving its
-entries in place along the sequence dimension and cropping the rest (no copy of the cache, no
-re-prefill). The cache is a :class:`ReservedCache`: a ``DynamicCache`` that appends in place.
+A batch of rows (one prompt is a batch of one): :meth:`Verifier.add_rows` prefills joining
+prompts; :meth:`Verifier.verify_rows` runs every row's draft tree in one forward pass, with a 4D
+attention mask in which every node sees its row's committed prefix and its own ancestors, and
+``position_ids`` = the row's committed length + depth; :meth:`Verifier.commit_rows` keeps exactly
+each row's accepted path in the KV cache, moving its entries in place along the sequence
+dimension and cropping the rest (no copy of the cache, no re-prefill); :meth:`Verifier.drop_rows`
+lets rows leave. The cache is a :class:`ReservedCache`: a ``DynamicCache`` that appends in place.
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ from transformers.cache_utils import DynamicLayer
 from .batch import TreeBatch
 from .errors import UserError
 from .kernels import kernel_context, linear_kernel
-from .tree import Tree
 
 
 @dataclass(frozen=True)
-class VerifierOutput:
-    """What one verifier pass returns.
+class PrefillOutput:
+    """What a prefill pass returns for one of its rows (:meth:`Verifier.add_rows`).
 
     Attributes:
-        logits: ``[T, V]``: next-token logits after each input position (prefill: last only).
+        logits: ``[1, V]``: the next-token logits after the prompt's last position.
         features: ``[T, F, H]`` hidden states at the ``F`` requested layers for every input
             position, or None when no layer was requested.
     """
@@ -224,7 +224,7 @@ class RowsOutput:
 
 
 class Verifier:
-    """Wraps a causal LM for tree verification, one row or a batch of rows.
+    """Wraps a causal LM for tree verification of a batch of rows.
 
     Every row has its own committed length: the KV cache is one ``[B, H, S, D]`` tensor per layer
     and row ``b``'s committed tokens lie in columns ``[starts[b], ends[b])``; what lies outside
@@ -278,28 +278,13 @@ class Verifier:
         """``S``: the cache columns every row spans (the longest row's end)."""
         return max(self.ends, default=0)
 
-    @property
-    def length(self) -> int:
-        """Committed tokens of the only row (the one-row API)."""
-        if self.rows != 1:
-            raise ValueError(f"length is the one-row API; this verifier holds {self.rows} rows")
-        return self.ends[0] - self.starts[0]
-
     def _compact(self) -> bool:
         """Whether no row has masked columns (every row spans ``[0, S)``): the plain causal case."""
         s = self.width
         return all(a == 0 for a in self.starts) and all(e == s for e in self.ends)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor) -> VerifierOutput:
-        """Run one prompt ``[L]`` from an empty cache (the one-row API); logits ``[1, V]`` for
-        the last position, features ``[L, F, H]``."""
-        self.cache = None
-        self.starts, self.ends = [], []
-        return self.add_rows([input_ids])[0]
-
-    @torch.inference_mode()
-    def add_rows(self, prompts: Sequence[torch.Tensor], *, features: bool = True) -> list[VerifierOutput]:
+    def add_rows(self, prompts: Sequence[torch.Tensor], *, features: bool = True) -> list[PrefillOutput]:
         """Prefill new rows, one per prompt ``[L_r]``, in one left-padded pass, and append them to
         the batch (after the rows already there). Returns per new row its last position's logits
         ``[1, V]`` and its features ``[L_r, F, H]`` (None without ``features``, or without
@@ -334,7 +319,7 @@ class Verifier:
                         layer.values[r, :, :pad] = 0.0
         self._merge(cache, pads, width)
         feats = self._features(out)
-        return [VerifierOutput(out.logits[r], feats[r, pads[r]:] if feats is not None else None) for r in range(len(prompts))]
+        return [PrefillOutput(out.logits[r], feats[r, pads[r]:] if feats is not None else None) for r in range(len(prompts))]
 
     def _merge(self, cache: DynamicCache, pads: list[int], width: int) -> None:
         """Append the rows of ``cache`` (``width`` columns, row ``r`` starting at ``pads[r]``) to
@@ -382,22 +367,6 @@ class Verifier:
         self._sync_rows()
 
     # ---- a verify pass -------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, tree: Tree) -> VerifierOutput:
-        """Score every node of one draft tree in one forward pass (the one-row API).
-
-        Args:
-            tokens: ``[N]`` node tokens (node 0 = the root, the newest token not yet in the cache).
-            tree: the topology; its ancestor mask becomes the tree part of the attention mask.
-
-        Returns logits ``[N, V]`` (the verifier's next-token logits after each node) and features.
-        The tree's keys and values are appended to the cache until :meth:`commit`.
-        """
-        tree = tree.to(self.device)
-        out = self._forward(tokens.to(self.device, non_blocking=True).view(1, -1), tree.ancestor_mask[None],
-                            tree.depths[None], tree.num_nodes)
-        return VerifierOutput(out.logits[0], out.features[0] if out.features is not None else None)
 
     @torch.inference_mode()
     def verify_rows(self, trees: TreeBatch, *, features: bool = True) -> RowsOutput:
@@ -471,15 +440,6 @@ class Verifier:
         return buf[:n, : past + n][None, None]
 
     # ---- keeping the accepted paths ------------------------------------------------------------
-
-    @torch.inference_mode()
-    def commit(self, nodes: torch.Tensor, node_ids: Sequence[int] | None = None) -> None:
-        """Keep only the accepted ``nodes`` (``[k]`` tree indices, root first) of the last verified
-        tree in the cache (the one-row API): their keys/values move in place to follow the
-        prefix, the rest is cut. ``node_ids``: the same indices on the host, if known (saves a
-        device read)."""
-        ids = list(node_ids) if node_ids is not None else nodes.tolist()
-        self.commit_rows(nodes.to(self.device, non_blocking=True).view(1, -1), [ids])
 
     @torch.inference_mode()
     def commit_rows(self, paths: torch.Tensor, node_ids: Sequence[Sequence[int]], lengths: torch.Tensor | None = None) -> None:
