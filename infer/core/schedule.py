@@ -500,9 +500,6 @@ class DraftCost:
         if seconds > 0:
             self._samples.append(seconds / max(nodes, 1))
 
-    def forget(self) -> None:
-        self._samples.clear()
-
     @property
     def seconds_per_node(self) -> float | None:
         if len(self._samples) < self.min_samples:
@@ -585,7 +582,9 @@ class Schedule:
     budget's :class:`Price` adds the drafter's measured cost per node (:class:`DraftCost`) to the
     verify cost of the batch as the row sees it (:class:`BatchCost`). Until that cost is measured
     a draft is one node deep; where it makes every draft a loss, no row drafts for a pause that
-    starts at ``refusal_pause`` steps and doubles (then the cost is measured again). A row whose
+    starts at ``refusal_pause`` steps and doubles, and then the price is weighed again with the
+    cost measured (it is steady: measuring it again would mean feeding a draft model the whole
+    context it missed). A row whose
     probe loses waits until the loss is ``probe_share`` of the plain steps in between."""
 
     def __init__(self, cost=None, policy=None, *, refusal_pause: int = 256, max_refusal_pause: int = 8192,
@@ -645,8 +644,7 @@ class Schedule:
         self._view = self._view_of(n, plan == ONE)
         price, depth = self.price(n, plan == ONE), max(r.depth for r, c in zip(rows, chosen) if c)
         if price is not None and not price.pays(depth):  # the drafter's own cost makes every draft a loss
-            self.refusal.failed()
-            self.draft.forget()  # measured again after the pause
+            self.refusal.failed()  # priced again after the pause, by the cost measured (a drafter's own cost is steady)
             return [None] * n
         budgets = []
         for r, c in zip(rows, chosen):
