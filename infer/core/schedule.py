@@ -677,7 +677,7 @@ class Schedule:
         probe = gate.backoff.pause > gate.backoff.first
         gate.record((1.0 + accepted) / cost)
         if probe and gate.backoff.skip:
-            gate.backoff.hold(math.ceil((cost - 1.0 - accepted) / self.probe_share))
+            gate.backoff.hold(min(math.ceil((cost - 1.0 - accepted) / self.probe_share), 1 << 20))
 
     def state(self) -> dict:
         """What was learnt, for benchmark records."""
