@@ -45,9 +45,21 @@ def _add_placement(p: argparse.ArgumentParser, kernels: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``specheads`` parser: one sub-parser per command, each added by its own step."""
+    from .loadgen import add_parser as add_loadgen_parser
+    from .serve import add_parser as add_serve_parser
+
     parser = _Parser(prog="specheads", description="Self-speculative decoding with draft heads and tree verification.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_add_generate, _add_bench, _add_chat, _add_training, _add_export, _add_cost):
+        add(sub)
+    add_serve_parser(sub, _add_common, _add_placement)
+    add_loadgen_parser(sub)
+    _add_selfcheck(sub)
+    return parser
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate from a prompt")
     _add_common(g)
     g.add_argument("--prompt", required=True)
@@ -60,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
     g.add_argument("--compare", action="store_true", help="also time plain HF greedy decoding and report the speedup")
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmark vanilla / HF prompt lookup / the engine on a prompt file")
     _add_common(b)
     b.add_argument("--prompts", required=True, help="JSONL with \"prompt\" or \"turns\", optional \"category\"")
@@ -73,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (outputs are then not compared)")
     b.add_argument("--seed", type=int, default=0, help="seed of every sampled generation")
 
+
+def _add_chat(sub) -> None:
     ch = sub.add_parser("chat", help="interactive chat with streamed replies and a tau / tokens-per-second status line")
     _add_common(ch)
     ch.add_argument("--system", default=None, help="system prompt")
@@ -81,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--top-k", type=int, default=0)
     ch.add_argument("--seed", type=int, default=None)
 
+
+def _add_training(sub) -> None:
+    """``distill``, ``train`` and ``push``."""
     d = sub.add_parser("distill", help="self-distil a verifier on prompts (runs train/distill.py)", add_help=False)
     d.add_argument("args", nargs=argparse.REMAINDER)
     t = sub.add_parser("train", help="train a draft head: accelerate launch train/train_heads.py --config RECIPE [key=value ...]")
@@ -94,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--private", action="store_true")
     pu.add_argument("--token", default=None)
 
+
+def _add_export(sub) -> None:
     ex = sub.add_parser("export", help="write a trained head in the layout vLLM / SGLang load (speculators, eagle3, medusa, dflash), or as a smaller specheads checkpoint (specheads); draft-model: a trained draft model directory, checked and copied")
     ex.add_argument("--draft", required=True, help="a specheads head checkpoint (directory or Hub id)")
     ex.add_argument("--format", required=True, choices=("speculators", "eagle3", "medusa", "dflash", "specheads", "draft-model"))
@@ -105,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "medusa: the verifier whose LM head the heads share (default: the one recorded in the head)")
     ex.add_argument("--speculative-tokens", type=int, default=3, help="speculators: vLLM's default num_speculative_tokens for this head")
 
+
+def _add_cost(sub) -> None:
     c = sub.add_parser("cost", help="time a verify pass over 1..64 tree nodes relative to one token")
     c.add_argument("--verifier", default="default")
     c.add_argument("--nodes", default="1,4,8,16,32,64")
@@ -113,19 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_placement(c)
     c.add_argument("--json", action="store_true")
 
-    from .serve import add_parser as add_serve_parser
 
-    add_serve_parser(sub, _add_common, _add_placement)
-    from .loadgen import add_parser as add_loadgen_parser
-
-    add_loadgen_parser(sub)
+def _add_selfcheck(sub) -> None:
     s = sub.add_parser("selfcheck", help="check the engine on a device and measure it (make gpu-check): one JSON and one PNG")
     s.add_argument("--device", default="cpu")
     s.add_argument("--out", required=True, help="output directory (selfcheck.json, selfcheck.png)")
     s.add_argument("--small", action="store_true", help="small shapes (a CPU dry run, as CI does)")
     s.add_argument("--parts", default="identity,speed,batch,cli")
     s.add_argument("--prompts", default=None, help="prompt file for the command-line part (default: the bundled unseen prompts)")
-    return parser
 
 
 def bench_drafts(text: str) -> list[tuple[str, str | None]]:
