@@ -332,6 +332,7 @@ class _Row:
     held_tokens: list[int] = field(default_factory=list)  # committed in plain steps, not yet given to the drafter
     held_features: list = field(default_factory=list)  # their verifier features, ``[F, H]`` each (or None)
     warm: bool = True  # prefilled with the drafter's features and begun by it; a cold row never drafts
+    drafted: bool = False  # whether it has drafted yet (its first draft feeds the drafter its prompt)
 
     def hand_over(self) -> Accepted | None:
         """What plain steps committed since the drafter last saw this row (None: nothing)."""
@@ -634,10 +635,14 @@ class Engine:
             row.stats.new_tokens += len(emitted)
             row.root = a.bonus
             chunks.append(self._chunk(row, emitted))
-        drafted_nodes = sum(n - 1 for n, d in zip(trees.sizes, drafting) if d)
+        # a row's first draft also feeds the drafter its whole prompt: not what drafting a node costs
+        first = any(d and not r.drafted for r, d in zip(rows, drafting))
+        drafted_nodes = 0 if first else sum(n - 1 for n, d in zip(trees.sizes, drafting) if d)
         self.schedule.record(StepRecord(len(rows), sum(drafting), sum(len(a.tokens) for a in acc.rows),
                                         time.perf_counter() - t0, len(rows) * trees.num_nodes, t3 - t2,
-                                        drafted_nodes, draft_s))
+                                        drafted_nodes, 0.0 if first else draft_s))
+        for r, d in zip(rows, drafting):
+            r.drafted = r.drafted or d
         self._leave([r for r in rows if r.stopper.reason])
         return StepReport(chunks, "decode", len(rows), trees.sizes, sum(drafting))
 

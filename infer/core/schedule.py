@@ -487,8 +487,8 @@ class Gate:
 
 class DraftCost:
     """The drafter's own cost: seconds of drafting per drafted node (root excluded), as the engine
-    times its proposals; the median of the last ``window`` drafting steps, known after
-    ``min_samples`` of them."""
+    times its proposals (not a row's first, which also feeds the drafter its prompt); the median
+    of the last ``window`` drafting steps, known after ``min_samples`` of them."""
 
     def __init__(self, *, window: int = 15, min_samples: int = 2):
         self.window, self.min_samples = window, min_samples
