@@ -406,9 +406,9 @@ class Engine:
             cost curve probed at construction, then learnt from every step, and the drafter's own
             cost measured) or a cost curve (:class:`~infer.core.schedule.VerifyCost`, or an
             :class:`~infer.core.schedule.OnlineCost` that learns).
-        policy: whether a batched step drafts at all (default
-            :class:`~infer.core.schedule.SpecPolicy`); any object with its ``plan``, ``record`` and
-            ``quiet_steps`` methods.
+        policy: whether a batched step drafts at all (default: measured,
+            :class:`~infer.core.schedule.SpecPolicy`, where the budget times the verifier; else
+            every row drafts); any object with its ``plan``, ``record`` and ``quiet_steps`` methods.
         join_wait: steps that queued generations may wait, with a row free, for a running row
             that reaches its token limit within them, so that they join in one prefill pass (a
             pass streams all the weights whatever its rows, so two prompts cost far less than two

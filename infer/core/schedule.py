@@ -584,13 +584,14 @@ class Schedule:
     a draft is one node deep; where it makes every draft a loss, no row drafts for a pause that
     starts at ``refusal_pause`` steps and doubles, and then the price is weighed again with the
     cost measured (it is steady: measuring it again would mean feeding a draft model the whole
-    context it missed). A row whose
-    probe loses waits until the loss is ``probe_share`` of the plain steps in between."""
+    context it missed). A row whose probe loses waits until the loss is ``probe_share`` of the
+    plain steps in between."""
 
     def __init__(self, cost=None, policy=None, *, refusal_pause: int = 256, max_refusal_pause: int = 8192,
                  probe_share: float = 0.02):
         self.cost, self.probe_share = cost, probe_share
-        self.policy = policy if policy is not None else SpecPolicy() if has_timing(cost) or isinstance(cost, OnlineCost) else AllDraft()
+        measured = has_timing(cost) or isinstance(cost, OnlineCost)
+        self.policy = policy if policy is not None else SpecPolicy() if measured else AllDraft()
         self.draft = DraftCost()
         self.refusal = Backoff(refusal_pause, max_refusal_pause)
         self._sampled_gate: Gate | None = None
