@@ -66,9 +66,9 @@ def main() -> int:
     report = {"date": time.strftime("%Y-%m-%d"), "draft": args.draft, "prompts_file": args.prompts,
               "max_new_tokens": args.max_new_tokens, "summary": summary, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(args.out)
+    from heads.io import write_atomic
+
+    write_atomic(args.out, lambda path: path.write_text(json.dumps(report, indent=1)))
     print(json.dumps(summary, indent=1))
     return 0
 

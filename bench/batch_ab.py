@@ -136,9 +136,9 @@ def main() -> int:
                   f"identical {levels[str(b)]['identical']}/{requests}", file=sys.stderr, flush=True)
         report["sets"][name] = levels
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(args.out)
+    from heads.io import write_atomic
+
+    write_atomic(args.out, lambda path: path.write_text(json.dumps(report, indent=1)))
     print(table(report))
     return 0
 

@@ -63,9 +63,9 @@ def main() -> int:
               "prompts": texts, "max_new_tokens": args.max_new_tokens}
     print(json.dumps({k: result[k] for k in ("tokens_per_s", "ratios", "median_ratio", "identical")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+    from heads.io import write_atomic
+
+    write_atomic(args.out, lambda path: path.write_text(json.dumps(result, indent=1)))
     return 0
 
 

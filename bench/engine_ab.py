@@ -87,9 +87,9 @@ def main() -> int:
                                  "identical": v["auto"]["tokens"] == v["none"]["tokens"]} for k, v in batch.items()}
     print("auto_4_rows", {k: round(v["speedup_over_none"], 3) for k, v in result["auto_4_rows"].items()}, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+    from heads.io import write_atomic
+
+    write_atomic(args.out, lambda path: path.write_text(json.dumps(result, indent=1)))
     return 0
 
 

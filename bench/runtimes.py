@@ -301,9 +301,9 @@ def main() -> int:
               "max_new_tokens": args.max_new_tokens, "k": args.k, "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
               "runs": runs, "summary": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(args.out)
+    from heads.io import write_atomic
+
+    write_atomic(args.out, lambda path: path.write_text(json.dumps(report, indent=1)))
     print(table(report))
     return 0
 
