@@ -625,12 +625,12 @@ class Engine:
         t3 = time.perf_counter()  # the acceptance's one read back waited for the verify pass
         self.verifier.commit_rows(acc.paths, [a.node_ids for a in acc.rows], acc.lengths)
         self._tell(rows, drafting, acc, out.features)
-        n_drafting = max(sum(drafting), 1)
+        share = draft_s / max(sum(drafting), 1)  # each drafting row's share of the one proposal
         chunks = []
         for b, (row, a) in enumerate(zip(rows, acc.rows)):
             if drafting[b]:
-                self.schedule.judge(row.gate, trees.sizes[b], len(a.tokens) - 1, draft_s / n_drafting)
-            self._count(row, trees.sizes[b], len(a.tokens), draft_s / n_drafting if drafting[b] else 0.0, t3 - t2)
+                self.schedule.judge(row.gate, trees.sizes[b], len(a.tokens) - 1, share)
+            self._count(row, trees.sizes[b], len(a.tokens), share if drafting[b] else 0.0, t3 - t2)
             emitted = row.stopper.feed(list(a.tokens))
             row.stats.new_tokens += len(emitted)
             row.root = a.bonus

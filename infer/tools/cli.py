@@ -13,7 +13,7 @@ import re
 import sys
 
 from ..core.errors import UserError
-from .load import budget_for, check_drafts, drafter_for, tree_for, verifier_for
+from .load import check_drafts, drafter_for, tree_for, verifier_for
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +26,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="auto", help="'auto' (the default: the heads shipped for this verifier, if any, together with prompt lookup; else prompt lookup), 'default' (the head shipped for --verifier default), 'pld' (prompt lookup), 'none' (plain decoding through the engine), a draft-head checkpoint directory / Hub id, or several joined by '+' (e.g. default+pld: verify the union of their drafts); bench takes a comma-separated list, each optionally with its own tree after '@' (e.g. default+pld,default+pld@dynamic:7,4,16)")
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
     p.add_argument("--tree-budget", choices=("auto", "fixed"), default="auto",
-                   help="auto: measure the verify-cost curve at load; trained heads size each dynamic tree for the most tokens per second and prompt lookup sizes its drafts by it. fixed: heads always use the tree's num_nodes, prompt lookup the built-in curve")
+                   help="auto: measure the verify-cost curve at load and learn it while decoding; every draft is sized by it and by the drafter's own measured cost, and a drafter that cannot pay is not asked. fixed: drafts keep their tree's num_nodes (prompt lookup sizes its chains by the built-in curve)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     _add_placement(p, kernels=True)
@@ -215,7 +215,7 @@ def cmd_generate(args) -> int:
     lv = verifier_for(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
     drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
-    engine = Engine(_verifier(args, lv.model), drafter, budget=budget_for(args))
+    engine = Engine(_verifier(args, lv.model), drafter, budget=args.tree_budget)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     if args.compare:  # warm both paths up so that the timings compare steady states
         import torch
@@ -339,7 +339,7 @@ def cmd_bench(args) -> int:
             name = label if i == 0 else f"{label}[{kernel}]"
             drafters[name], kernel_of[name] = drafter_for(args, d, lv.model, t, tokenizer=lv.tokenizer), kernel
     config = bench_fingerprint(args)
-    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of, budget=budget_for(args),
+    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of, budget=args.tree_budget,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
                         temperature=args.temperature, seed=args.seed, partial=partial, fingerprint=config)
     results["config"] = {"command": "specheads " + " ".join(sys.argv[1:]), **config, "n_prompts": len(prompts), **environment()}
@@ -392,7 +392,7 @@ def cmd_chat(args) -> int:
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen, verifier=_verifier(args, lv.model),
-                                budget=budget_for(args)))
+                                budget=args.tree_budget))
 
 
 def cmd_export(args) -> int:

@@ -41,12 +41,8 @@ def check_drafts(*specs: str, trees=None) -> None:
 
 def drafter_for(args, draft: str, model, tree, tokenizer=None):
     """The drafter ``draft`` names (a ``--draft`` spec) for verifier ``model``, with the command's
-    ``--draft-dtype`` (``--tree-budget`` goes to the engine, :func:`budget_for`)."""
+    ``--draft-dtype`` (``--tree-budget`` is the engine's ``budget``)."""
     from ..drafting.loading import load_drafter
 
     return load_drafter(draft, model, tree=tree, draft_dtype=args.draft_dtype, tokenizer=tokenizer)
 
-
-def budget_for(args) -> str:
-    """The engine's ``budget`` from ``--tree-budget`` (``auto`` when the command has none)."""
-    return getattr(args, "tree_budget", "auto")

@@ -47,15 +47,11 @@ from pathlib import Path
 import torch
 
 from ..drafting.lookup import PromptLookupDrafter
-from ..testing import OracleDrafter
+from ..testing import OracleDrafter, chain
 
 
 def _binary(n: int) -> list[int]:
     return [-1] + [(i - 1) // 2 for i in range(1, n)]
-
-
-def _chain(d: int) -> list[int]:
-    return [-1] + list(range(d))
 
 
 def _sync(device: torch.device) -> None:
@@ -254,7 +250,7 @@ def part_speed(device: torch.device, small: bool, record, shared: dict | None = 
 
     run("none", NoDrafter)
     for d in (1, 3, 5, 7):
-        run(f"oracle_chain{d}", lambda d=d: OracleDrafter(ref, prompt_len, _chain(d), vocab=vocab, device=device), d + 1)
+        run(f"oracle_chain{d}", lambda d=d: OracleDrafter(ref, prompt_len, chain(d), vocab=vocab, device=device), d + 1)
     run("oracle_binary31", lambda: OracleDrafter(ref, prompt_len, _binary(31), vocab=vocab, device=device), 31)
     head = _random_eagle3(model, 32000)
     for label, spec in (("eagle3_random_eagle2-32", DynamicTreeSpec(6, 8, 32)), ("eagle3_random_60", DynamicTreeSpec(6, 10, 60))):
@@ -293,7 +289,7 @@ def part_batch(device: torch.device, small: bool, record, shared: dict | None = 
         """An oracle chain of 3 that finds its row's continuation by its prompt."""
 
         def __init__(self):
-            super().__init__([], 0, _chain(3), vocab=vocab, device=device)
+            super().__init__([], 0, chain(3), vocab=vocab, device=device)
 
         def spawn(self):
             return RowOracle()

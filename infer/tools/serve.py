@@ -696,7 +696,7 @@ def cmd_serve(args) -> int:
                     max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout,
                     shutdown_timeout_s=args.shutdown_timeout, join_wait=args.join_wait,
                     max_connections=args.max_connections, read_timeout_s=args.read_timeout)
-    from .load import budget_for, check_drafts, drafter_for, tree_for, verifier_for
+    from .load import check_drafts, drafter_for, tree_for, verifier_for
 
     tree = tree_for(args)
     check_drafts(args.draft, trees=[tree])
@@ -705,7 +705,7 @@ def cmd_serve(args) -> int:
     drafter = drafter_for(args, args.draft, lv.model, tree)
     name = args.model_name or args.verifier
     app = build_app(lv.model, lv.tokenizer, drafter, name=name, limits=limits, linear=args.linear, host=args.host,
-                    budget=budget_for(args))
+                    budget=args.tree_budget)
     import sys
 
     print(f"specheads serve: {name} with --draft {args.draft} on http://{args.host}:{args.port}/v1 "
