@@ -61,16 +61,17 @@ class Speculator:
     learns (the verify cost, the drafter's own cost, the gates) carries over from call to call.
     ``budget``: the engine's (``auto``: the verify cost probed now)."""
 
-    def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = "", linear: str = "auto", budget="auto"):
+    def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = "", linear: str = "auto", budget="auto",
+                 compile: str = "auto"):
         self.model, self.tokenizer, self.drafter, self.name = model, tokenizer, drafter, name
-        self.engine = Engine(Verifier(model, linear=linear), drafter, budget=budget)
+        self.engine = Engine(Verifier(model, linear=linear), drafter, budget=budget, compile=compile)
         # one generation at a time: the verifier's KV cache and the drafter's state are per generation
         self._busy = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, verifier: str = "default", *, draft: str = "auto", dtype: str | torch.dtype = "auto",
                         device: str = "cpu", tree: str | TreeSpec | None = None, tree_budget: str = "auto",
-                        draft_dtype: str | torch.dtype = "auto", linear: str = "auto") -> Speculator:
+                        draft_dtype: str | torch.dtype = "auto", linear: str = "auto", compile: str = "auto") -> Speculator:
         """Load ``verifier`` (what ``--verifier`` accepts) and the drafter ``draft`` (what
         ``--draft`` accepts: ``auto``, ``pld``, ``none``, a head checkpoint, ``a+b``).
         ``draft_dtype`` and ``linear`` are ``--draft-dtype`` and ``--linear``."""
@@ -81,7 +82,7 @@ class Speculator:
         draft_parts(draft, None)  # a bad draft spec fails before the verifier loads
         lv = load_verifier(verifier, dtype=dtype, device=device)
         drafter = load_drafter(draft, lv.model, tree=spec, draft_dtype=draft_dtype, tokenizer=lv.tokenizer)
-        return cls(lv.model, lv.tokenizer, drafter, name=verifier, linear=linear, budget=tree_budget)
+        return cls(lv.model, lv.tokenizer, drafter, name=verifier, linear=linear, budget=tree_budget, compile=compile)
 
     def _ids(self, prompt, chat: bool | None) -> torch.Tensor:
         if isinstance(prompt, str):

@@ -37,6 +37,7 @@ from .drafter import Accepted, Draft, Drafter, NoDrafter, Request, RowStart, hos
 from .errors import UserError
 from .params import MAX_SEED, SamplingParams
 from .schedule import Gate, RowView, Schedule, SpecPolicy, StepRecord, probe_cost
+from .static import check_compile, static_for
 from .verifier import Verifier
 
 
@@ -62,6 +63,8 @@ class GenerationStats:
     verify_s: float = 0.0
     tokens_per_s: float = 0.0
     finish_reason: str = ""
+    step_path: str = "eager"  # the verify step that ran: eager, static or compiled (--compile)
+    warmup_s: float = 0.0  # the compiled step's warm-up (compilation), paid once per engine
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +209,7 @@ def stream(
     tokenizer=None,
     max_batch: int = 64,
     budget="fixed",
+    compile: str = "off",
 ) -> Iterator[Chunk]:
     """Speculative generation, yielding each step's accepted tokens as a :class:`Chunk`.
 
@@ -237,10 +241,13 @@ def stream(
             verifier first, then learn) or a cost curve. An application that generates again and
             again keeps one :class:`Engine` (or a :class:`~infer.speculator.Speculator`), so that
             what it learns persists.
+        compile: the verify step (:class:`Engine`): ``"off"`` (default: eager), ``"on"`` (static
+            shapes, compiled) or ``"auto"`` (compiled on CUDA, and on a CPU where a stored
+            measurement found it faster, :func:`~infer.core.static.resolve_compile`).
     """
     given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                  acceptance=acceptance)
-    engine = Engine(verifier, drafter, max_rows=max_batch, budget=budget)
+    engine = Engine(verifier, drafter, max_rows=max_batch, budget=budget, compile=compile)
     queue(engine, input_ids, params, generator=generator, eos_token_id=eos_token_id, stop=stop, tokenizer=tokenizer, **given)
     return engine.run()
 
@@ -409,6 +416,8 @@ class Engine:
         policy: whether a batched step drafts at all (default: measured,
             :class:`~infer.core.schedule.SpecPolicy`, where the budget times the verifier; else
             every row drafts); any object with its ``plan``, ``record`` and ``quiet_steps`` methods.
+        compile: ``"off"`` (the eager step), ``"on"`` (a static-shape step, compiled and warmed up
+            here: :mod:`infer.core.static`) or ``"auto"`` (:func:`~infer.core.static.resolve_compile`).
         join_wait: steps that queued generations may wait, with a row free, for a running row
             that reaches its token limit within them, so that they join in one prefill pass (a
             pass streams all the weights whatever its rows, so two prompts cost far less than two
@@ -424,16 +433,18 @@ class Engine:
     HOLD_STEPS = 32
 
     def __init__(self, verifier, drafter: Drafter | None = None, *, max_rows: int = 64, budget="fixed",
-                 policy: SpecPolicy | None = None, join_wait: int = 4):
+                 policy: SpecPolicy | None = None, join_wait: int = 4, compile: str = "off"):
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise UserError(f"max_batch must be a positive integer, not {max_rows!r}")
         if not isinstance(join_wait, int) or isinstance(join_wait, bool) or join_wait < 0:
             raise UserError(f"join_wait must be a non-negative integer, not {join_wait!r}")
+        check_compile(compile)
         self.join_wait = join_wait
         self._waited = 0  # steps the queued generations have waited for a row about to end
         self.drafter = drafter or NoDrafter()
         self.verifier = verifier if isinstance(verifier, Verifier) else Verifier(verifier)
         self.verifier.feature_layers = tuple(self.drafter.feature_layers)
+        self.verifier = static_for(self.verifier, compile, max_rows)  # compiled and warmed up before the probe
         self.schedule = schedule_for(self.verifier, budget, policy)  # probes after dropping what was left
         self.verifier.drop_rows([])  # whatever an unfinished earlier generation left behind
         self.max_rows = max_rows
@@ -465,6 +476,7 @@ class Engine:
         gen = None if params.greedy else sampling_generator(self.verifier.device, seed, None)
         key = None if params.greedy else seed_tensor([seed], self.verifier.device)
         row = _Row(self._next, ids, stopper, params, gen, seed, key)
+        row.stats.step_path, row.stats.warmup_s = self.verifier.path.name, self.verifier.path.warmup_s
         self._next += 1
         self.pending.append(row)
         return row.index
@@ -649,12 +661,17 @@ class Engine:
     def _tell(self, rows: list[_Row], drafting: list[bool], acc: RowsAcceptance, features) -> None:
         """The drafter learns what the drafting rows committed (one update); a plain step commits a
         warm row's root alone, at its tree's first node: held for the drafter."""
+        if isinstance(self.drafter, NoDrafter):  # nothing to learn
+            return
         told = []
         firsts = features[:, 0].unbind(0) if features is not None else [None] * len(rows)  # [F, H] views
+        drafted = [(row.root,) + a.tokens[:-1] for row, a, d in zip(rows, acc.rows, drafting) if d]
+        tokens = iter(torch.tensor([t for c in drafted for t in c], dtype=torch.long).split([len(c) for c in drafted])
+                      if drafted else [])  # every drafting row's committed tokens: one tensor made on the host
         for b, (row, a) in enumerate(zip(rows, acc.rows)):
             if drafting[b]:
                 feats = features[b].index_select(0, a.nodes) if features is not None else None
-                told.append(Accepted(row.index, torch.tensor((row.root,) + a.tokens[:-1], dtype=torch.long), feats))
+                told.append(Accepted(row.index, next(tokens), feats))
             elif row.warm:
                 row.held_tokens.append(row.root)
                 row.held_features.append(firsts[b])

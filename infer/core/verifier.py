@@ -210,6 +210,23 @@ def check_fits(config, total_length: int, what: str = "prompt plus max_new_token
         )
 
 
+@dataclass
+class StepPath:
+    """Which verify step a verifier runs (reported in the generation stats): ``static`` shapes
+    (:mod:`infer.core.static`) or not, ``compiled`` or eager, with which ``backend``, the seconds
+    its warm-up took (compilation included) and why this path was chosen (``--compile``)."""
+
+    compiled: bool = False
+    static: bool = False
+    backend: str = ""
+    warmup_s: float = 0.0
+    reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return "compiled" if self.compiled else "static" if self.static else "eager"
+
+
 @dataclass(frozen=True)
 class RowsOutput:
     """What one verifier pass over a batch of rows returns.
@@ -262,6 +279,7 @@ class Verifier:
         self._mask: torch.Tensor | None = None  # reused tree-mask buffer, see _tree_mask
         self._clean = 0  # columns [0, _clean) of the buffer are all 0 (visible)
         self._cache_kw = cache_keyword(model)
+        self.path = StepPath()
 
     def check_fits(self, total_length: int) -> None:
         """Refuse, before any work, a generation whose positions exceed what the model handles."""
@@ -468,7 +486,7 @@ class Verifier:
             if self.rows > 1:
                 src = torch.where(j < k_dev[:, None], src, dst)  # past a row's path: a harmless self-copy
             for layer in cache_layers(self.cache):
-                for t in (layer.keys, layer.values):
+                for t in (layer.keys[: self.rows], layer.values[: self.rows]):  # a static cache has spare slots
                     shape = (t.shape[0], t.shape[1], kmax, t.shape[3])
                     moved = t.gather(2, src[:, None, :, None].expand(shape))
                     t.scatter_(2, dst[:, None, :, None].expand(shape), moved)

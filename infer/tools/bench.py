@@ -76,6 +76,7 @@ def run_bench(
     methods=METHODS,
     max_new_tokens: int = 128,
     budget="auto",
+    compile: str = "off",
     chat: bool = True,
     pld_tokens: int = 10,
     progress: bool = True,
@@ -100,7 +101,9 @@ def run_bench(
     ``vanilla`` among the methods, every kernel other than stock that an engine method runs on
     also gets a ``vanilla[<kernel>]`` row, HF ``generate`` on that kernel, and each speculative
     method's ``speedup_same_kernel`` is its speed over HF's on its own kernel: ``speedup`` is what
-    users see against stock HF, ``speedup_same_kernel`` what speculation alone adds."""
+    users see against stock HF, ``speedup_same_kernel`` what speculation alone adds.
+
+    ``compile``: the engines' verify step (``--compile``; :mod:`infer.core.static`)."""
 
     from ..core.text import encode_prompt, eos_ids
 
@@ -108,6 +111,7 @@ def run_bench(
     eos = eos_ids(model, tokenizer)
     drafters = drafter if isinstance(drafter, dict) else {"": drafter}
     run = _Methods(model, drafters, kernels or {}, eos, max_new_tokens, budget, temperature, seed, pld_tokens)
+    run.compile = compile
     methods = run.expand(methods)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
     for i, ids in enumerate(encoded):  # before any method runs (HF would run a million tokens first)
@@ -168,7 +172,8 @@ class _Methods:
             for label, d in drafters.items():
                 name = f"spec:{label}" if len(drafters) > 1 else "spec"
                 v = verifiers[kernels.get(label, "auto")]
-                engine = Engine(Verifier(self.model, linear=kernels.get(label, "auto")), d, budget=self.budget)
+                engine = Engine(Verifier(self.model, linear=kernels.get(label, "auto")), d, budget=self.budget,
+                                compile=self.compile)
                 params = SamplingParams(self.max_new_tokens, self.temperature, seed=self.seed)
                 self.runners[name] = lambda ids, e=engine, p=params: _spec(e, ids, p, self.eos)
                 self.drafter_of[name] = engine

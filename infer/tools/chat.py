@@ -32,6 +32,7 @@ class ChatSession:
     messages: list[dict] = field(default_factory=list)
     verifier: object = None  # a Verifier of ``model`` to generate with (None: one with the auto kernel)
     budget: str = "fixed"  # the engine's (see Engine): it lives as long as the session, and learns
+    compile: str = "off"  # the engine's verify step (--compile)
     engine: Engine | None = None
 
     def reset(self) -> None:
@@ -73,7 +74,7 @@ class ChatSession:
         stopped = False
         try:  # checked before any work (e.g. history plus max_new_tokens beyond the context)
             if self.engine is None:
-                self.engine = Engine(self.verifier or self.model, self.drafter, budget=self.budget)
+                self.engine = Engine(self.verifier or self.model, self.drafter, budget=self.budget, compile=self.compile)
             self.engine.add(self.encode(), SamplingParams(**self.gen_kwargs), tokenizer=self.tokenizer,
                             eos_token_id=eos_ids(self.model, self.tokenizer))
         except UserError:

@@ -27,6 +27,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None, help="tree preset name (configs/trees), a JSON file, chain:D or dynamic:D,K,N")
     p.add_argument("--tree-budget", choices=("auto", "fixed"), default="auto",
                    help="auto: measure the verify-cost curve at load and learn it while decoding; every draft is sized by it and by the drafter's own measured cost, and a drafter that cannot pay is not asked. fixed: drafts keep their tree's num_nodes (prompt lookup sizes its chains by the built-in curve)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="the verify step: on = static shapes compiled with torch.compile (Inductor on a CPU, CUDA graphs on a GPU; "
+                   "warm-up compiles it first, cached across processes), off = eager, auto = on for CUDA, and on a CPU where "
+                   "a run with --compile on measured it faster on this machine for this model")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     _add_placement(p, kernels=True)
@@ -215,7 +219,7 @@ def cmd_generate(args) -> int:
     lv = verifier_for(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
     drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
-    engine = Engine(_verifier(args, lv.model), drafter, budget=args.tree_budget)
+    engine = Engine(_verifier(args, lv.model), drafter, budget=args.tree_budget, compile=args.compile)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     if args.compare:  # warm both paths up so that the timings compare steady states
         import torch
@@ -339,7 +343,7 @@ def cmd_bench(args) -> int:
             name = label if i == 0 else f"{label}[{kernel}]"
             drafters[name], kernel_of[name] = drafter_for(args, d, lv.model, t, tokenizer=lv.tokenizer), kernel
     config = bench_fingerprint(args)
-    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of, budget=args.tree_budget,
+    results = run_bench(lv.model, lv.tokenizer, drafters, prompts, methods=methods, kernels=kernel_of, budget=args.tree_budget, compile=args.compile,
                         max_new_tokens=args.max_new_tokens, chat=args.chat is not False,
                         temperature=args.temperature, seed=args.seed, partial=partial, fingerprint=config)
     results["config"] = {"command": "specheads " + " ".join(sys.argv[1:]), **config, "n_prompts": len(prompts), **environment()}
@@ -392,7 +396,7 @@ def cmd_chat(args) -> int:
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                top_k=args.top_k, seed=args.seed)
     return run_chat(ChatSession(lv.model, lv.tokenizer, drafter, args.system, gen, verifier=_verifier(args, lv.model),
-                                budget=args.tree_budget))
+                                budget=args.tree_budget, compile=args.compile))
 
 
 def cmd_export(args) -> int:

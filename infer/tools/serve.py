@@ -445,7 +445,7 @@ def _error_handlers(app, metrics: Metrics) -> None:
 
 
 def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: str = "auto", host: str | None = None,
-              budget="auto"):
+              budget="auto", compile: str = "off"):
     """The FastAPI app serving ``model`` with ``drafter`` (see the module docstring). Its engine
     loop starts with the app (lifespan) and stops with it. ``host``: the address it is served on;
     on a loopback address, requests naming another ``Host`` are refused (DNS rebinding)."""
@@ -458,7 +458,7 @@ def build_app(model, tokenizer, drafter, *, name: str, limits: Limits, linear: s
     from ..core.text import eos_ids
     from ..core.verifier import Verifier, context_length
 
-    engine = Engine(Verifier(model, linear=linear), drafter, max_rows=limits.max_rows, budget=budget,
+    engine = Engine(Verifier(model, linear=linear), drafter, max_rows=limits.max_rows, budget=budget, compile=compile,
                     join_wait=limits.join_wait)
     metrics = Metrics()
     loop_ = EngineLoop(engine, eos_ids(model, tokenizer), tokenizer, limits, metrics)
@@ -705,7 +705,7 @@ def cmd_serve(args) -> int:
     drafter = drafter_for(args, args.draft, lv.model, tree)
     name = args.model_name or args.verifier
     app = build_app(lv.model, lv.tokenizer, drafter, name=name, limits=limits, linear=args.linear, host=args.host,
-                    budget=args.tree_budget)
+                    budget=args.tree_budget, compile=args.compile)
     import sys
 
     print(f"specheads serve: {name} with --draft {args.draft} on http://{args.host}:{args.port}/v1 "
