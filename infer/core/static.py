@@ -20,7 +20,7 @@ each time. A compiled graph (Inductor on a CPU, CUDA graphs on a GPU) needs the 
 
 :func:`compile_step` compiles the step with ``torch.compile`` (dynamic sizes, so that the few
 buckets share a handful of graphs: sizes 1 and above 1 of rows and nodes are told apart, nothing
-else); on a CPU with Inductor's freezing (weights folded in as constants, linears prepacked for
+else, the varying sizes marked dynamic on the buffers); on a CPU with Inductor's freezing (weights folded in as constants, linears prepacked for
 oneDNN), on CUDA with ``mode="reduce-overhead"`` (CUDA graphs; the buffers are then marked as
 static addresses and the outputs copied out, since a replay reuses them). Prefill stays eager (a
 prompt's length is its own): its cache is copied into the slots once.
@@ -134,6 +134,10 @@ def slot_cache(like: Sequence[torch.Tensor], rows: int, capacity: int, static_ad
     for k in like:
         shape = (rows, k.shape[1], capacity, k.shape[3])
         keys, values = k.new_zeros(shape), k.new_zeros(shape)
+        for t in (keys, values):  # every capacity, and every row count above 1, in one graph
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+            if rows > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         if static_address:
             torch._dynamo.mark_static_address(keys)
             torch._dynamo.mark_static_address(values)
@@ -314,8 +318,15 @@ class StepInputs:
         with torch.inference_mode():
             long = dict(dtype=torch.long, device=device)
             eye = torch.eye(nodes, dtype=torch.bool, device=device).repeat(rows, 1, 1)
-            return cls(torch.zeros(rows, nodes, **long), eye.clone(), torch.zeros(rows, nodes, **long),
+            made = cls(torch.zeros(rows, nodes, **long), eye.clone(), torch.zeros(rows, nodes, **long),
                        torch.zeros(rows, **long), torch.zeros(rows, **long), eye)
+        for t in made.args():  # one graph for every bucket above 1 (a size of 1 is a graph of its own)
+            if rows > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            for dim in range(1, t.dim()):
+                if nodes > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+        return made
 
     def write(self, tokens: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor, starts: torch.Tensor,
               ends: torch.Tensor) -> None:
@@ -339,21 +350,24 @@ class StepInputs:
 
 
 def compile_step(step: Callable, device: torch.device, backend: str = "inductor") -> Callable:
-    """``step`` compiled with dynamic sizes. Inductor on a CPU freezes the weights into the graph
+    """``step`` compiled; the sizes that vary (rows and nodes above 1, the capacity) are marked
+    dynamic on the buffers themselves (:class:`StepInputs`, :func:`slot_cache`), so that the
+    model's own constants stay constants (``dynamic=True`` would turn its float attributes into
+    values read from the host at every call). Inductor on a CPU freezes the weights into the graph
     (prepacked oneDNN linears; the step runs under ``inference_mode``, which freezing needs);
     on CUDA it captures CUDA graphs (``mode="reduce-overhead"``) and the outputs are cloned, as a
     replay reuses them."""
     if backend != "inductor":
-        return torch.compile(step, backend=backend, dynamic=True)
+        return torch.compile(step, backend=backend)
     if device.type == "cuda":
-        compiled = torch.compile(step, mode="reduce-overhead", dynamic=True)
+        compiled = torch.compile(step, mode="reduce-overhead")
 
         def run(*args):
             logits, feats = compiled(*args)
             return logits.clone(), feats.clone() if feats is not None else None
 
         return run
-    compiled = torch.compile(step, dynamic=True, options={"freezing": True})
+    compiled = torch.compile(step, options={"freezing": True})
     return compiled
 
 
