@@ -59,14 +59,18 @@ rehearsal: setup
 	$(BIN)/python tests/gpu_image.py --out results/rehearsal
 
 # On the GPU machine (its own Python and packages: nothing to install, no network; the tree is
-# the only thing carried): checks the engine there and measures it (identity on every family in
-# fp32/bf16, sampling with a CPU generator, a random Llama-3.1-8B-shaped verifier in bf16, the CLI
-# end to end) into $(GPU_OUT)/selfcheck.{json,png}, written after each part. Capped at
-# $(GPU_LIMIT) s (estimate: ~4 minutes on one H200); the CLI part's scratch files (a distilled set,
+# the only thing carried): checks the engine there and measures it, the compiled engine first
+# (a random Llama-3.1-8B-shaped verifier in bf16: HF eager, HF static cache + compiled step, the
+# compiled engine plain, an oracle chain against its ideal, a random EAGLE-3 head's drafting
+# share, batches 4 and 16), then identity on every family in fp32/bf16, sampling with a CPU
+# generator, the eager engine's speed and batches, the CLI end to end, into
+# $(GPU_OUT)/selfcheck.{json,png}, written after each item. Capped at $(GPU_LIMIT) s (untimed on a
+# GPU since the compiled part came; CI-sized on a CPU: `selfcheck --small --parts compiled` takes
+# ~2 minutes, mostly compiling); the CLI part's scratch files (a distilled set,
 # a trained head and its checkpoints) are deleted afterwards so that only the JSON and PNG come back.
 GPU_OUT   ?= results/gpu-check
-GPU_LIMIT ?= 300
-GPU_PARTS ?= identity,speed,batch,cli
+GPU_LIMIT ?= 540
+GPU_PARTS ?= compiled,identity,speed,batch,cli
 gpu-check:
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$(CURDIR)" timeout $(GPU_LIMIT) \
 		$(PYTHON) -m infer.tools.cli selfcheck --device cuda --parts $(GPU_PARTS) --out "$(GPU_OUT)"; rc=$$?; rm -rf "$(GPU_OUT)/cli"; exit $$rc

@@ -30,7 +30,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="the verify step: on = static shapes compiled with torch.compile (Inductor on a CPU, CUDA graphs on a GPU; "
                    "warm-up compiles it first, cached across processes), off = eager, auto = on for CUDA, and on a CPU where "
-                   "a run with --compile on measured it faster on this machine for this model")
+                   "a run with --compile on measured it faster on this machine for this model (generate: off on a CPU, where "
+                   "one prompt never wins back the warm-up)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     _add_placement(p, kernels=True)
@@ -146,7 +147,8 @@ def _add_selfcheck(sub) -> None:
     s.add_argument("--device", default="cpu")
     s.add_argument("--out", required=True, help="output directory (selfcheck.json, selfcheck.png)")
     s.add_argument("--small", action="store_true", help="small shapes (a CPU dry run, as CI does)")
-    s.add_argument("--parts", default="identity,speed,batch,cli")
+    s.add_argument("--parts", default="identity,speed,batch,cli",
+                   help="comma-separated, run in this order: compiled, identity, speed, batch, cli (make gpu-check runs compiled first)")
     s.add_argument("--prompts", default=None, help="prompt file for the command-line part (default: the bundled unseen prompts)")
 
 
@@ -207,6 +209,7 @@ def bench_kernels(text: str) -> list[str]:
 
 def cmd_generate(args) -> int:
     from ..core.engine import Engine
+    from ..core.static import one_shot
     from ..core.text import StreamDecoder, encode_prompt, eos_ids
 
     params = _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -219,7 +222,8 @@ def cmd_generate(args) -> int:
     lv = verifier_for(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
     drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
-    engine = Engine(_verifier(args, lv.model), drafter, budget=args.tree_budget, compile=args.compile)
+    engine = Engine(_verifier(args, lv.model), drafter, budget=args.tree_budget,
+                    compile=one_shot(args.compile, lv.model.device))
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     if args.compare:  # warm both paths up so that the timings compare steady states
         import torch
@@ -629,9 +633,9 @@ def cmd_selfcheck(args) -> int:
     from .selfcheck import run_selfcheck
 
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(parts) - {"identity", "speed", "batch", "cli"}
+    unknown = set(parts) - {"compiled", "identity", "speed", "batch", "cli"}
     if not parts or unknown:
-        raise UserError(f"--parts: choose from identity, speed, batch, cli (got {args.parts!r})")
+        raise UserError(f"--parts: choose from compiled, identity, speed, batch, cli (got {args.parts!r})")
     resolve_device(args.device)
     out = check_output_dir(args.out, "--out")
     results = run_selfcheck(args.device, out, small=args.small, parts=parts, prompts=args.prompts)

@@ -262,6 +262,102 @@ def part_speed(device: torch.device, small: bool, record, shared: dict | None = 
     return res
 
 
+def _hf_static_compiled(model, ids: torch.Tensor, n: int, compiled: dict) -> list[int]:
+    """Greedy decoding as gpt-fast does it with HF's pieces: a ``StaticCache``, the prompt eager,
+    then the one-token forward compiled (CUDA graphs on CUDA; made once, in ``compiled``)."""
+    from transformers import StaticCache
+
+    from ..core.verifier import cache_keyword
+
+    dev = model.get_input_embeddings().weight.device
+    ids = ids.view(1, -1).to(dev)
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + n)
+    kw = cache_keyword(model)
+    if "step" not in compiled:
+        compiled["step"] = torch.compile(model.forward, mode="reduce-overhead" if dev.type == "cuda" else None)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, use_cache=True, **{kw: cache}).logits[:, -1]
+        out = [logits.argmax(-1)]
+        for i in range(n - 1):
+            pos = torch.tensor([[ids.shape[1] + i]], device=dev)
+            logits = compiled["step"](input_ids=out[-1].view(1, 1), position_ids=pos, use_cache=True, **{kw: cache}).logits[:, -1]
+            out.append(logits.argmax(-1).clone())
+    return torch.cat(out).tolist()
+
+
+def part_compiled(device: torch.device, small: bool, record, shared: dict | None = None) -> dict:
+    """The compiled static-shape engine (``compile="on"``), in order of value, written after each
+    item: (a) batch 1 tokens/s of HF ``generate`` eager, HF's static cache with a compiled
+    one-token step, and the compiled engine with no draft (and its warm-up seconds); (b) an oracle
+    chain of depth 4 against its ideal speedup (tau over the verify cost of 5 nodes); (c) a
+    random EAGLE-3 head's drafting time over the compiled verify time; (d) batches of 4 and 16."""
+    from ..core.drafter import NoDrafter
+    from ..core.engine import Engine, generate
+    from ..core.tree import DynamicTreeSpec
+    from ..drafting.head_drafters import EagleDrafter
+
+    model, name, dtype = _speed_model(device, small, {} if shared is None else shared)
+    prompt_len, n_new = (64, 16) if small else (512, 128)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    res = record({"verifier": name, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": prompt_len, "new_tokens": n_new})
+    t_hf, hf_ref = _timed(lambda: _hf_greedy(model, ids, n_new), device)
+    res["hf_generate_tok_s"] = round(n_new / t_hf, 2)
+    record(res)
+    try:
+        hf_static: dict = {}
+        t_static, static_ref = _timed(lambda: _hf_static_compiled(model, ids, n_new, hf_static), device)
+        res["hf_static_compiled_tok_s"] = round(n_new / t_static, 2)
+        res["hf_static_compiled_equals_hf"] = static_ref == hf_ref
+    except Exception:  # noqa: BLE001 - a baseline that fails here is a finding, not the end of the part
+        res["hf_static_compiled_error"] = traceback.format_exc()[-1500:]
+    record(res)
+    t0 = time.perf_counter()
+    engine = Engine(model, NoDrafter(), compile="on", max_rows=16)
+    res["warmup_s"] = round(time.perf_counter() - t0, 1)
+    res["step_path"] = engine.verifier.path.name
+    compiled_v = engine.verifier
+    ref = generate(model, NoDrafter(), ids, max_new_tokens=n_new).token_ids  # the eager engine's own output
+    t_none, out = _timed(lambda: generate(compiled_v, NoDrafter(), ids, max_new_tokens=n_new), device)
+    res["none"] = {"tok_s": round(n_new / t_none, 2), "over_hf": round(t_hf / t_none, 3),
+                   "identical_to_eager": out.token_ids == ref}
+    record(res)
+    cost = {n: s for n, s in _verify_seconds(compiled_v, (1, 5), prompt_len).items()}
+    t4, out4 = _timed(lambda: generate(compiled_v, OracleDrafter(ref, prompt_len, chain(4), vocab=vocab, device=device), ids,
+                                       max_new_tokens=n_new), device)
+    ideal = out4.stats.mean_accepted / (cost[5] / cost[1])
+    res["oracle_chain4"] = {"tok_s": round(n_new / t4, 2), "tau": round(out4.stats.mean_accepted, 3),
+                            "speedup_vs_none": round(t_none / t4, 3), "ideal": round(ideal, 3),
+                            "achieved_over_ideal": round(t_none / t4 / ideal, 3), "identical": out4.token_ids == ref}
+    record(res)
+    head = _random_eagle3(model, min(32000, vocab))
+    _, out_e = _timed(lambda: generate(compiled_v, EagleDrafter(head, model, DynamicTreeSpec(6, 8, 32), adaptive=False), ids,
+                                       max_new_tokens=n_new), device)  # the warm-up run compiles the graphs with features
+    st = out_e.stats
+    res["eagle3_random"] = {"draft_over_verify": round(st.draft_s / max(st.verify_s, 1e-9), 3),
+                            "draft_ms_per_step": round(1e3 * st.draft_s / max(1, st.verify_steps), 3),
+                            "verify_ms_per_step": round(1e3 * st.verify_s / max(1, st.verify_steps), 3)}
+    record(res)
+    g = torch.Generator().manual_seed(2)
+    for b in (4, 16):
+        prompts = [torch.randint(0, vocab, (prompt_len,), generator=g) for _ in range(b)]
+        alone = [generate(model, NoDrafter(), p, max_new_tokens=n_new).token_ids for p in prompts]
+        t_b, outs = _timed(lambda prompts=prompts: generate(compiled_v, NoDrafter(), prompts, max_new_tokens=n_new,
+                                                             max_batch=16), device)
+        t_e, _ = _timed(lambda prompts=prompts: generate(model, NoDrafter(), prompts, max_new_tokens=n_new), device)
+        res[f"batch{b}"] = {"tok_s": round(b * n_new / t_b, 1), "eager_tok_s": round(b * n_new / t_e, 1),
+                            "identical_rows": sum(o.token_ids == r for o, r in zip(outs, alone))}
+        record(res)
+    return res
+
+
+def _verify_seconds(verifier, nodes, prefix_len: int) -> dict:
+    """Median seconds of a verify pass of ``n`` nodes on ``verifier`` (its rows dropped after)."""
+    from ..core.schedule import measure_verify_cost
+
+    return measure_verify_cost(verifier, nodes, prefix_len=prefix_len, repeats=5)["seconds"]
+
+
 def part_batch(device: torch.device, small: bool, record, shared: dict | None = None) -> dict:
     """Batched generation on the speed part's verifier: at batch 1, 4 and 16 (prompts of
     different lengths), tokens/s of plain batched decoding, of an oracle chain of 3 per row, and
@@ -475,6 +571,8 @@ def run_selfcheck(device: str, out: str | Path, *, small: bool = False, parts=("
         try:
             if name == "identity":
                 record(part_identity(dev, small))
+            elif name == "compiled":
+                part_compiled(dev, small, record, shared)
             elif name in ("speed", "batch"):
                 (part_speed if name == "speed" else part_batch)(dev, small, record, shared)
             elif name == "cli":
