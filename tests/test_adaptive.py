@@ -200,6 +200,41 @@ def test_the_budget_refuses_drafts_that_cannot_pay_for_their_drafting(monkeypatc
             assert engine.schedule.refusal.skip > 100  # and not asked again for a long pause
 
 
+def test_auto_measures_the_drafter_at_construction_so_a_costly_one_never_sees_a_real_prompt(monkeypatch):
+    """``budget="auto"`` probes the drafter as it probes the verifier, before any generation joins
+    (a fake clock; the verifier's probe replaced by its curve): a drafter as costly per token as
+    the verifier is refused from the first real step on and never drafts for the real prompt (so a
+    draft model never runs it); the caller's generations are numbered from 0 still. A cheap
+    drafter drafts deep at once."""
+    import infer.core.engine as engine_module
+
+    model = tiny_random_model("llama", vocab_size=256, seed=1)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    spt = 0.05
+    monkeypatch.setattr(engine_module, "probe_cost", lambda v: Clocked(VerifyCost((1, 2, 4, 8), (1.0, 1.05, 1.15, 1.4)), spt))
+    for per_token, refused in ((spt, True), (0.01 * spt, False)):
+        clock = [0.0]
+        monkeypatch.setattr(engine_module.time, "perf_counter", lambda c=clock: c[0])
+        drafter = CostlyChain(clock, per_token)
+        seen = []
+        begin = drafter.begin
+
+        def watch(rows, begin=begin):
+            seen.extend(r.prompt_ids.numel() for r in rows)
+            return begin(rows)
+
+        drafter.begin = watch
+        engine = Engine(model, drafter, budget="auto")
+        probed = len(drafter.proposed)
+        assert probed >= 2 and seen == [32]  # the probe's random prompt only
+        assert engine.add(ids, SamplingParams(max_new_tokens=60)) == 0
+        list(engine.run())
+        if refused:
+            assert len(drafter.proposed) == probed and engine.schedule.refusal.skip > 100
+        else:
+            assert max(drafter.proposed[probed:]) > 1 and engine.schedule.refusal.skip == 0
+
+
 def test_an_expensive_drafter_that_is_not_accepted_probes_seldom(monkeypatch):
     """A drafter at half the verifier's cost per token (a fake clock) whose drafts are never
     accepted: a draft could pay if it were, so it is not refused, but its row's gate pauses it, and

@@ -173,7 +173,7 @@ def test_prompt_lookup_and_plain_steps(model, kwargs):
     rows = per_step(model, PromptLookupDrafter(), _prompt(repeat=True), **kwargs)
     assert_bounded(rows)
     assert max(r.syncs for r in rows) <= 3
-    assert {r.syncs for r in per_step(model, NoDrafter(), _prompt(), **kwargs)} == {2}
+    assert max(r.syncs for r in per_step(model, NoDrafter(), _prompt(), **kwargs)) <= 2  # a plain step: read back, root
 
 
 @pytest.mark.parametrize("kwargs", MODES, ids=["greedy", "sampling"])

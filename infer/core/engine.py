@@ -453,6 +453,29 @@ class Engine:
         self._admitted_last = False
         self._admitting = 0  # rows taken from the queue and being prefilled (in neither list)
         self._next = 0
+        if budget == "auto" and self.schedule.timed and not isinstance(self.drafter, NoDrafter):
+            self._probe_drafter()
+
+    def _probe_drafter(self, prompt_tokens: int = 32, new_tokens: int = 16) -> None:
+        """The drafter's own cost, measured before the first generation joins, as the verifier's
+        was (:func:`schedule_for`): a greedy generation of a seeded random prompt through this
+        engine, drafting a node every step (``Schedule.measuring``: no gate, no refusal) until the
+        cost is known, so that a drafter too costly to pay (a draft model as costly as the
+        verifier) is refused from the first real step on and never runs a real prompt. Its row is
+        gone after, and the callers' generations are numbered from 0."""
+        g = torch.Generator().manual_seed(0)
+        self.schedule.measuring = True
+        try:
+            index = self.add(torch.randint(0, self.verifier.vocab_size, (prompt_tokens,), generator=g),
+                             SamplingParams(max_new_tokens=new_tokens))
+            while self.busy and self.schedule.draft.seconds_per_node is None:
+                self.step()
+            self.cancel(index)
+            while self.busy:
+                self.step()
+        finally:
+            self.schedule.measuring = False
+        self._next = 0
 
     @property
     def policy(self):
@@ -665,13 +688,10 @@ class Engine:
             return
         told = []
         firsts = features[:, 0].unbind(0) if features is not None else [None] * len(rows)  # [F, H] views
-        drafted = [(row.root,) + a.tokens[:-1] for row, a, d in zip(rows, acc.rows, drafting) if d]
-        tokens = iter(torch.tensor([t for c in drafted for t in c], dtype=torch.long).split([len(c) for c in drafted])
-                      if drafted else [])  # every drafting row's committed tokens: one tensor made on the host
         for b, (row, a) in enumerate(zip(rows, acc.rows)):
-            if drafting[b]:
+            if drafting[b]:  # the committed tokens as a host tensor (a drafter may read it back for free)
                 feats = features[b].index_select(0, a.nodes) if features is not None else None
-                told.append(Accepted(row.index, next(tokens), feats))
+                told.append(Accepted(row.index, torch.tensor((row.root,) + a.tokens[:-1], dtype=torch.long), feats))
             elif row.warm:
                 row.held_tokens.append(row.root)
                 row.held_features.append(firsts[b])

@@ -597,6 +597,7 @@ class Schedule:
         self._sampled_gate: Gate | None = None
         self._probe = 0  # the row that drafts when the policy probes one
         self._view = None  # the verify-cost view of the last planned step
+        self.measuring = False  # while the engine measures the drafter: one-node drafts, no gate, no refusal
 
     @property
     def timed(self) -> bool:
@@ -640,6 +641,9 @@ class Schedule:
         chosen = [r.warm and r.depth > 0 and (plan == ALL or (plan == ONE and i == self._probe)) for i, r in enumerate(rows)]
         if not any(chosen) or self.cost is None:
             return [Budget(r.depth) if c else None for r, c in zip(rows, chosen)]
+        if self.measuring:  # the engine's probe of the drafter's own cost: every chosen row drafts a node
+            self._view = self._view_of(n, plan == ONE)
+            return [Budget(min(r.depth, 1), cost=self._view) if c else None for r, c in zip(rows, chosen)]
         if self.timed and self.refusal.waiting():
             return [None] * n
         self._view = self._view_of(n, plan == ONE)
