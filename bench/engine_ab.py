@@ -65,7 +65,8 @@ def main() -> int:
     args = p.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     lines = Path(args.prompts).read_text().splitlines()
-    prompts = [json.loads(line)["prompt"] for line in lines[:: max(1, len(lines) // args.limit)][: args.limit]]
+    rows = [json.loads(line) for line in lines[:: max(1, len(lines) // args.limit)][: args.limit]]
+    prompts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows]  # Spec-Bench: the first turn
     result = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "trees": {k: str(v) for k, v in trees.items()}}
     for label, draft in (("draft_model", f"model:{Path(args.draft_model).resolve()}"), ("none_1_row", "none"),
                          ("auto_1_row", "auto")):

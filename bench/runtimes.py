@@ -148,9 +148,9 @@ def project_worker(which: str, answers) -> None:
 RUNTIMES = {  # name -> (interpreter key, worker kind, dtype / quantization)
     "HF generate": ("project", "hf", "float32 (GGUF Q4_1 dequantised)"),
     "specheads none": ("project", "specheads-none", "float32 (GGUF Q4_1 dequantised)"),
-    "specheads none, compiled": ("project", "specheads-none-compiled", "float32 (GGUF Q4_1 dequantised)"),
+    "specheads none (compiled)": ("project", "specheads-none-compiled", "float32 (GGUF Q4_1 dequantised)"),
     "specheads auto": ("project", "specheads", "float32 (GGUF Q4_1 dequantised)"),
-    "specheads auto, compiled": ("project", "specheads-compiled", "float32 (GGUF Q4_1 dequantised)"),
+    "specheads auto (compiled)": ("project", "specheads-compiled", "float32 (GGUF Q4_1 dequantised)"),
     "llama.cpp": ("runtimes", "llama", "GGUF Q4_1 (llama.cpp kernels)"),
     "llama.cpp + prompt lookup": ("runtimes", "llama-lookup", "GGUF Q4_1 (llama.cpp kernels)"),
     "vLLM": ("vllm", "vllm", "float32 (GGUF Q4_1 dequantised)"),
