@@ -176,7 +176,8 @@ class StaticVerifier(Verifier):
         model, feature_layers, linear: as :class:`~infer.core.verifier.Verifier` (``linear``
             applies to prefill and to the eager static step; a compiled step picks its own kernels).
         compile: ``False`` (the static step eagerly), ``True`` (compiled with Inductor, or CUDA
-            graphs on CUDA), or a ``torch.compile`` backend name (tests use ``"aot_eager"``).
+            graphs on CUDA), or a ``torch.compile`` backend (a name, or a callable: tests use ``"eager"`` and an
+            inspecting wrapper of Inductor).
     """
 
     def __init__(self, model, feature_layers: Sequence[int] = (), *, linear: str = "auto", compile=False):
@@ -510,12 +511,13 @@ def measure_compile(verifier: StaticVerifier, nodes=(1, 8), prefix_len: int = 25
 
 def static_for(verifier: Verifier, choice: str, max_rows: int = 1) -> Verifier:
     """The verifier an engine runs for ``--compile choice``: ``verifier`` itself where the step is
-    not compiled, and a :class:`StaticVerifier` as it is (warmed up again where compiled), else a compiled
+    not compiled, and a :class:`StaticVerifier` as it is (where compiled, warmed up again for the
+    row counts it was warmed up for, should the drafter's feature layers be new), else a compiled
     :class:`StaticVerifier` of its model, warmed up for up to ``max_rows`` rows; compiling on a
     CPU measures it against eager once per machine and model (stored for ``auto``)."""
-    if isinstance(verifier, StaticVerifier):  # given static: it keeps its own path, warmed up for these rows
-        if verifier.path.compiled:  # (and for the drafter's feature layers, which make graphs of their own)
-            verifier.warm_up(max_rows)
+    if isinstance(verifier, StaticVerifier):  # given static: it keeps its own path and the row counts it was
+        if verifier.path.compiled:  # warmed up for, warmed up again for this drafter's feature layers
+            verifier.warm_up(max((key[1] for key in verifier._warm), default=1))
         return verifier
     on, why = resolve_compile(choice, verifier.model)
     if not on:
