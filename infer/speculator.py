@@ -59,7 +59,9 @@ class Speculator:
     interleaves with the first (they share the verifier's KV cache and the drafter's state).
     Every call runs on one long-lived :class:`~infer.core.engine.Engine`, so what its schedule
     learns (the verify cost, the drafter's own cost, the gates) carries over from call to call.
-    ``budget``: the engine's (``auto``: the verify cost probed now)."""
+    ``budget``: the engine's (``auto``: the verify cost and the drafter's own cost probed now);
+    ``compile``: its verify step (``--compile``; ``auto`` compiles where this machine measured it
+    faster, :func:`~infer.core.static.resolve_compile`, at the price of a warm-up here)."""
 
     def __init__(self, model, tokenizer, drafter: Drafter, *, name: str = "", linear: str = "auto", budget="auto",
                  compile: str = "auto"):
