@@ -271,11 +271,13 @@ def _hf_static_compiled(model, ids: torch.Tensor, n: int, compiled: dict) -> lis
 
     dev = model.get_input_embeddings().weight.device
     ids = ids.view(1, -1).to(dev)
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + n)
     kw = cache_keyword(model)
-    if "step" not in compiled:
+    if "step" not in compiled:  # one cache for every call (its buffers are where the graphs were captured)
+        compiled["cache"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + n)
         compiled["step"] = torch.compile(model.forward, mode="reduce-overhead" if dev.type == "cuda" else None)
+    cache = compiled["cache"]
     with torch.inference_mode():
+        cache.reset()  # the last call's entries (the cache's tensors were made in inference mode)
         logits = model(input_ids=ids, use_cache=True, **{kw: cache}).logits[:, -1]
         out = [logits.argmax(-1)]
         for i in range(n - 1):
