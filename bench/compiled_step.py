@@ -34,7 +34,7 @@ def main() -> int:
     from infer.core.models import load_verifier
     from infer.core.params import SamplingParams
     from infer.core.schedule import measure_verify_cost
-    from infer.core.static import StaticVerifier
+    from infer.core.static import StaticVerifier, cpu_name
     from infer.core.text import encode_prompt, eos_ids
     from infer.core.verifier import Verifier
     from infer.drafting.loading import load_drafter
@@ -93,7 +93,7 @@ def main() -> int:
     curves = {"eager": measure_verify_cost(eager_v, (1, 2, 4, 8, 16, 32, 64)),
               "compiled": measure_verify_cost(static_v, (1, 2, 4, 8, 16, 32, 64))}
     result = {
-        "machine": {"cpu": _cpu(), "cores": torch.get_num_threads(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "python": platform.python_version(),
                     "torch": torch.__version__},
         "command": "python bench/compiled_step.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
@@ -107,14 +107,6 @@ def main() -> int:
     write_atomic(args.out, lambda tmp: tmp.write_text(json.dumps(result, indent=1, default=str)))
     print(json.dumps({k: result[k] for k in ("over_hf", "compiled_over_eager", "ready_s", "identical_to_hf")}, indent=1))
     return 0 if all(same.values()) else 1
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

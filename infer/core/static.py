@@ -43,7 +43,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import UserError
-from .kernels import kernel_context
+from .kernels import MIN_PROBE_WEIGHTS, kernel_context
 from .verifier import RowsOutput, StepPath, Verifier, cache_layers
 
 #: node counts a verify pass is padded to (beyond the last: a multiple of it)
@@ -380,10 +380,6 @@ def compile_step(step: Callable, device: torch.device, backend: str = "inductor"
 
 COMPILE_CHOICES = ("auto", "on", "off")
 
-#: below this many output-projection weights a model is a test-sized toy: its timing decides nothing
-MIN_MEASURED_WEIGHTS = 1 << 20
-
-
 def check_compile(choice: str) -> str:
     """``choice`` if it is one of :data:`COMPILE_CHOICES`, else a one-line :class:`UserError`."""
     if choice not in COMPILE_CHOICES:
@@ -401,15 +397,19 @@ def artifacts_cached() -> bool:
     return bool(getattr(config, "fx_graph_cache", False))
 
 
+def cpu_name() -> str:
+    """This machine's CPU model as ``/proc/cpuinfo`` names it (else what ``platform`` knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def model_key(model) -> str:
     """What a compile measurement is valid for: this CPU, this PyTorch, this model's
     architecture and dtype (a hash of its config)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_name()
     config = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
     dtype = str(model.get_input_embeddings().weight.dtype)
     return f"{cpu}|torch {torch.__version__}|{os.cpu_count()} cpus|{config}|{dtype}"
@@ -527,7 +527,7 @@ def static_for(verifier: Verifier, choice: str, max_rows: int = 1) -> Verifier:
     static.path.reason = why
     static.warm_up(max_rows)
     weights = verifier.model.get_output_embeddings().weight
-    if (static.device.type == "cpu" and weights.numel() >= MIN_MEASURED_WEIGHTS
+    if (static.device.type == "cpu" and weights.numel() >= MIN_PROBE_WEIGHTS  # a test-sized toy's timing decides nothing
             and read_verdict(verifier.model) is None):
         write_verdict(verifier.model, measure_compile(static))
     return static

@@ -110,8 +110,7 @@ def run_bench(
     check_methods(methods, temperature)
     eos = eos_ids(model, tokenizer)
     drafters = drafter if isinstance(drafter, dict) else {"": drafter}
-    run = _Methods(model, drafters, kernels or {}, eos, max_new_tokens, budget, temperature, seed, pld_tokens)
-    run.compile = compile
+    run = _Methods(model, drafters, kernels or {}, eos, max_new_tokens, budget, temperature, seed, pld_tokens, compile)
     methods = run.expand(methods)
     encoded = [encode_prompt(tokenizer, p.text, chat=chat) for p in prompts]
     for i, ids in enumerate(encoded):  # before any method runs (HF would run a million tokens first)
@@ -135,8 +134,9 @@ class _Methods:
     each on one long-lived :class:`~infer.core.engine.Engine` (what it learns carries over from one
     prompt to the next, as in an application; ``budget``: the engines')."""
 
-    def __init__(self, model, drafters: dict, kernels: dict, eos, max_new_tokens, budget, temperature, seed, pld_tokens):
-        self.model, self.drafters, self.kernels, self.eos = model, drafters, kernels, eos
+    def __init__(self, model, drafters: dict, kernels: dict, eos, max_new_tokens, budget, temperature, seed, pld_tokens,
+                 compile: str = "off"):
+        self.model, self.drafters, self.kernels, self.eos, self.compile = model, drafters, kernels, eos, compile
         self.max_new_tokens, self.budget, self.temperature, self.seed = max_new_tokens, budget, temperature, seed
         self.verifiers = {k: Verifier(model, linear=k) for k in {kernels.get(label, "auto") for label in drafters}}
         self.sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}

@@ -295,6 +295,7 @@ def part_compiled(device: torch.device, small: bool, record, shared: dict | None
     random EAGLE-3 head's drafting time over the compiled verify time; (d) batches of 4 and 16."""
     from ..core.drafter import NoDrafter
     from ..core.engine import Engine, generate
+    from ..core.schedule import measure_verify_cost
     from ..core.tree import DynamicTreeSpec
     from ..drafting.head_drafters import EagleDrafter
 
@@ -324,7 +325,7 @@ def part_compiled(device: torch.device, small: bool, record, shared: dict | None
     res["none"] = {"tok_s": round(n_new / t_none, 2), "over_hf": round(t_hf / t_none, 3),
                    "identical_to_eager": out.token_ids == ref}
     record(res)
-    cost = {n: s for n, s in _verify_seconds(compiled_v, (1, 5), prompt_len).items()}
+    cost = measure_verify_cost(compiled_v, (1, 5), prefix_len=prompt_len, repeats=5)["seconds"]
     t4, out4 = _timed(lambda: generate(compiled_v, OracleDrafter(ref, prompt_len, chain(4), vocab=vocab, device=device), ids,
                                        max_new_tokens=n_new), device)
     ideal = out4.stats.mean_accepted / (cost[5] / cost[1])
@@ -351,13 +352,6 @@ def part_compiled(device: torch.device, small: bool, record, shared: dict | None
                             "identical_rows": sum(o.token_ids == r for o, r in zip(outs, alone))}
         record(res)
     return res
-
-
-def _verify_seconds(verifier, nodes, prefix_len: int) -> dict:
-    """Median seconds of a verify pass of ``n`` nodes on ``verifier`` (its rows dropped after)."""
-    from ..core.schedule import measure_verify_cost
-
-    return measure_verify_cost(verifier, nodes, prefix_len=prefix_len, repeats=5)["seconds"]
 
 
 def part_batch(device: torch.device, small: bool, record, shared: dict | None = None) -> dict:
