@@ -21,6 +21,7 @@ from .core.engine import Engine, GenerationResult, GenerationStats, queue
 from .core.errors import UserError
 from .core.models import load_verifier
 from .core.params import SamplingParams
+from .core.static import resolve_compile
 from .core.text import StreamDecoder, encode_prompt, eos_ids
 from .core.tree import TreeSpec, load_tree_spec
 from .core.verifier import Verifier
@@ -83,7 +84,8 @@ class Speculator:
         check_kernel_device(linear, device)  # before loading anything
         draft_parts(draft, None)  # a bad draft spec fails before the verifier loads
         lv = load_verifier(verifier, dtype=dtype, device=device)
-        drafter = load_drafter(draft, lv.model, tree=spec, draft_dtype=draft_dtype, tokenizer=lv.tokenizer)
+        drafter = load_drafter(draft, lv.model, tree=spec, draft_dtype=draft_dtype, tokenizer=lv.tokenizer,
+                               compile=resolve_compile(compile, lv.model)[0])
         return cls(lv.model, lv.tokenizer, drafter, name=verifier, linear=linear, budget=tree_budget, compile=compile)
 
     def _ids(self, prompt, chat: bool | None) -> torch.Tensor:

@@ -360,16 +360,15 @@ def compile_step(step: Callable, device: torch.device, backend: str = "inductor"
     model's own constants stay constants (``dynamic=True`` would turn its float attributes into
     values read from the host at every call). Inductor on a CPU freezes the weights into the graph
     (prepacked oneDNN linears; the step runs under ``inference_mode``, which freezing needs);
-    on CUDA it captures CUDA graphs (``mode="reduce-overhead"``) and the outputs are cloned, as a
-    replay reuses them."""
+    on CUDA it captures CUDA graphs (``mode="reduce-overhead"``) and the outputs (any tensors it
+    returns) are cloned, as a replay reuses them."""
     if backend != "inductor":
         return torch.compile(step, backend=backend)
     if device.type == "cuda":
         compiled = torch.compile(step, mode="reduce-overhead")
 
-        def run(*args):
-            logits, feats = compiled(*args)
-            return logits.clone(), feats.clone() if feats is not None else None
+        def run(*args):  # every tensor out of the replay copied out (a later replay overwrites them)
+            return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, compiled(*args))
 
         return run
     compiled = torch.compile(step, options={"freezing": True})

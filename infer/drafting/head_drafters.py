@@ -325,7 +325,8 @@ def _bf16_is_faster(rows: int = 8, width: int = 576, vocab: int = 8192, repeats:
     return times[torch.bfloat16] * 1.3 < times[torch.float32]
 
 
-def load_head_drafter(path_or_repo: str, verifier_model, tree=None, *, dtype: str | torch.dtype | None = "auto") -> Drafter:
+def load_head_drafter(path_or_repo: str, verifier_model, tree=None, *, dtype: str | torch.dtype | None = "auto",
+                      compile=False) -> Drafter:
     """A drafter for a saved head; refuses a head trained for another verifier.
 
     A Medusa-2 checkpoint carries LoRA adapters for the verifier (``adapter/``), declared in its
@@ -333,7 +334,8 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, *, dtype: st
     model is the verifier from then on (greedy output is identical to *its* greedy output). No
     other head changes the verifier: an undeclared ``adapter/`` is refused before anything is
     merged (:func:`heads.io.verifier_adapter`). ``dtype``: what an EAGLE head computes in
-    (:func:`draft_dtype`)."""
+    (:func:`draft_dtype`); ``compile``: an EAGLE head drafts through the compiled batched loop
+    (:class:`~infer.drafting.eagle_batch.BatchEagleDrafter`) where true."""
     from heads import CheckpointError, HeadMismatchError
     from heads.io import resolve, verifier_adapter
 
@@ -353,6 +355,10 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, *, dtype: st
 
         return BlockDrafter(head, verifier_model, tree if isinstance(tree, DynamicTreeSpec) else None,
                             dtype=draft_dtype(verifier_model, dtype))
+    if compile:
+        from .eagle_batch import BatchEagleDrafter
+
+        return BatchEagleDrafter(head, verifier_model, tree, dtype=draft_dtype(verifier_model, dtype), compile=compile)
     return EagleDrafter(head, verifier_model, tree, dtype=draft_dtype(verifier_model, dtype))
 
 

@@ -120,14 +120,17 @@ def _grows(part: str) -> str:
     return "dynamic trees: pass one such as eagle2-16 or dynamic:5,4,16"
 
 
-def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, draft_dtype="auto", tokenizer=None) -> Drafter:
+def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, draft_dtype="auto", tokenizer=None,
+                 compile=False) -> Drafter:
     """The drafter a ``--draft`` spec names, for verifier ``model`` (see the module docstring).
 
     ``tree`` shapes the first drafter; under ``auto``, the first one that grows that kind of tree
     (prompt lookup grows any). ``draft_dtype``: what EAGLE heads compute in
     (:func:`~infer.drafting.head_drafters.draft_dtype`). A head trained for another verifier is
     refused, and so is a draft model (``model:PATH``) whose vocabulary differs from the
-    verifier's (``tokenizer``: the verifier's, to compare tokens too)."""
+    verifier's (``tokenizer``: the verifier's, to compare tokens too). ``compile``: EAGLE heads
+    draft all rows in one compiled loop (:class:`~infer.drafting.eagle_batch.BatchEagleDrafter`;
+    ``True``, or a ``torch.compile`` backend) instead of eagerly row by row (``False``)."""
     parts = draft_parts(spec, model)
     if parts == ["none"]:
         return NoDrafter()
@@ -141,7 +144,7 @@ def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, draft_dtype=
             return load_draft_model_drafter(part, model, tree_, dtype=draft_dtype, tokenizer=tokenizer)
         from .head_drafters import load_head_drafter
 
-        return load_head_drafter(part, model, tree_, dtype=draft_dtype)
+        return load_head_drafter(part, model, tree_, dtype=draft_dtype, compile=compile)
 
     check_tree(spec, tree, model)
     target = tree_target(spec, parts, tree)  # the drafter that `tree` shapes (drafters carry their trees)

@@ -221,7 +221,7 @@ def cmd_generate(args) -> int:
     check_drafts(args.draft, trees=[tree])
     lv = verifier_for(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
-    drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
+    drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer, one_shot=True)
     engine = Engine(_verifier(args, lv.model), drafter, budget=args.tree_budget,
                     compile=one_shot(args.compile, lv.model.device))
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
