@@ -1,6 +1,7 @@
 """The compiled static-shape verify step against the eager one, side by side in one process: HF
 ``generate`` (eager), specheads ``--draft none`` and ``--draft auto`` with ``--compile off`` and
-``--compile on``, each on one long-lived engine (as ``Speculator``, ``chat`` and ``serve`` keep
+``--compile on`` (and ``auto`` with the verify step compiled but the heads drafting eagerly, row by
+row: ``on-eager-draft``), each on one long-lived engine (as ``Speculator``, ``chat`` and ``serve`` keep
 one), in alternating rounds over the same unseen prompts, greedy; then the verify-cost curve
 (1 to 64 nodes) of the eager verifier and of the compiled one.
 
@@ -52,10 +53,10 @@ def main() -> int:
     eos = eos_ids(lv.model, lv.tokenizer)
     engines, warmup = {}, {}
     for draft in args.drafts.split(","):
-        for mode in ("off", "on"):
-            t0 = time.perf_counter()
-            d = load_drafter(draft, lv.model, tokenizer=lv.tokenizer)
-            engines[f"{draft}/{mode}"] = Engine(Verifier(lv.model), d, budget="auto", compile=mode)
+        for mode in ("off", "on", "on-eager-draft")[: 2 if draft == "none" else 3]:
+            t0 = time.perf_counter()  # on: the verify step and the heads' draft loop compiled; on-eager-draft: the step alone
+            d = load_drafter(draft, lv.model, tokenizer=lv.tokenizer, compile=mode == "on")
+            engines[f"{draft}/{mode}"] = Engine(Verifier(lv.model), d, budget="auto", compile="off" if mode == "off" else "on")
             warmup[f"{draft}/{mode}"] = round(time.perf_counter() - t0, 1)
             print(f"{draft}/{mode}: ready in {warmup[draft + '/' + mode]} s "
                   f"({engines[draft + '/' + mode].verifier.path.name})", flush=True)

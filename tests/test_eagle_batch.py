@@ -67,7 +67,7 @@ def test_the_batched_loop_grows_the_eager_drafters_trees(model, kind, budget):
         refs = [generate(model, None, p, max_new_tokens=24).token_ids for p in prompts]
         trees = {}
         for name, d in (("eager", EagleDrafter(head, model, SPEC, adaptive=False, prune=False)),
-                        ("batched", BatchEagleDrafter(head, model, SPEC))):
+                        ("batched", BatchEagleDrafter(head, model, SPEC, adaptive_depth=False))):
             trees[name] = _recorded(d)
             out = generate(model, d, prompts if rows > 1 else prompts[0], max_new_tokens=24, budget=cost)
             out = out if rows > 1 else [out]
@@ -113,9 +113,13 @@ def test_the_loop_reads_nothing_and_a_step_reads_once(model):
     d.begin([RowStart(i, torch.arange(6), feats, None) for i in (0, 1)])
     requests = [Request(s, 3, Budget(4, cost=CURVE)) for s in (0, 1)]
     root_hidden, base = d._catch_up({q.slot: q.root for q in requests})
-    args = (root_hidden, *d._limits(requests), base, d.columns)
+    root_tok, *limits = d._limits(requests)
+    state = d._state(root_hidden.shape[0])
     with torch.inference_mode(), HostReadCounter() as loop:
-        d._eager_loop(*args)
+        d._eager_first(root_hidden, root_tok, *state.tensors())
+        for level in d._levels[1:]:
+            d._eager_next(level, base, d.columns, *state.tensors())
+        d._eager_select(*limits, state.tok, state.par, state.dep, state.key)
     assert loop.total == 0, loop.counts
     d.end([0, 1])
     d.begin([RowStart(i, torch.arange(6), feats, None) for i in (0, 1)])
@@ -150,9 +154,10 @@ def test_rows_join_and_leave_the_slots_with_outputs_unchanged(model):
 
 @pytest.mark.slow
 def test_the_compiled_loop_never_recompiles_and_holds_no_host_wait(model):
-    """Dynamo's graphs of the loop (a backend that keeps them, runs them as they are): two after
-    warm-up (one row, and every count above), none more across a mixed run of 1 to 3 rows with
-    rows joining and leaving, no graph break, no host-synchronising operation in a graph."""
+    """Dynamo's graphs of the loop (a backend that keeps them, runs them as they are): six after
+    warm-up (the start, one level replayed at every depth, the selection; for one row and for
+    every count above), none more across a mixed run of 1 to 3 rows with rows joining and leaving
+    and depths varying, no graph break, no host-synchronising operation in a graph."""
     graphs = []
 
     def keep(gm, example_inputs):
@@ -163,7 +168,7 @@ def test_the_compiled_loop_never_recompiles_and_holds_no_host_wait(model):
     counters = torch._dynamo.utils.counters
     counters.clear()
     d = BatchEagleDrafter(_head(model, "eagle3"), model, SPEC, compile=keep)
-    assert len(graphs) == 2 and d.warmup_s > 0
+    assert len(graphs) == 6 and d.warmup_s > 0  # start, a level, the selection: for one row and for more
     prompts = _prompts(4)
     refs = [generate(model, None, p, max_new_tokens=30).token_ids for p in prompts]
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -177,7 +182,7 @@ def test_the_compiled_loop_never_recompiles_and_holds_no_host_wait(model):
             for c in engine.step().chunks:
                 out.setdefault(c.index, []).extend(c.token_ids)
     assert [out[i] for i in range(4)] == refs
-    assert len(graphs) == 2 and not counters["graph_break"]
+    assert len(graphs) == 6 and not counters["graph_break"]
     syncing = {"item", "_local_scalar_dense", "nonzero", "tolist", "numpy", "masked_select", "unique",
                "repeat_interleave", "equal", "is_nonzero"}
     found = [node.format_node() for gm in graphs for node in gm.graph.nodes

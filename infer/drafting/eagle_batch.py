@@ -12,11 +12,15 @@ rows bucket and the tree spec:
   (written over by the next catch-up: nothing is cropped);
 * catching up (the committed pairs each row has not seen, then its root's pair) is one eager
   pass over all the slots, padded to the longest row (a prompt's length is its own);
-* the loop over depths (:func:`draft_loop`) is a function of fixed-shape tensors with no host
-  read and no branch on a value: every depth is drafted (no early stop), a row's depth and node
-  limits are masks and a cost table, not branches, and its output, every row's tree packed
-  into one long tensor, is the step's one read. ``compile=True`` compiles it (Inductor on a
-  CPU, CUDA graphs on CUDA) once per rows bucket.
+* the loop is three functions of fixed-shape buffers (:class:`LoopState`, written in place) with
+  no host read and no branch on a value: :func:`first_level` (the root's children),
+  :func:`next_level` (one level of every row's tree; the level is a device tensor, so one graph
+  serves every depth and is replayed, as vLLM replays its one-step draft graph) and
+  :func:`select` (every row's kept tree, its depth and node limits and its price as tensors,
+  packed into one long tensor: the step's one read). How many levels a step drafts is chosen
+  on the host before it starts, from what the last step's read already brought: one deeper
+  than the deepest node any drafting row kept. ``compile=True`` compiles the three (Inductor on
+  a CPU, CUDA graphs on CUDA), once for one row and once for every row count above.
 
 Candidates are the head's most likely tokens, not samples, so the trees are deterministic and
 exact under greedy and sampled verification alike. The head's confidences are used as they are
@@ -59,9 +63,9 @@ class LoopShape:
         return 1 + (self.depth - 1) * self.width
 
     @property
-    def packed(self) -> int:
-        """Columns of :func:`draft_loop`'s output: kept count, root token, 4 x (nodes - 1)."""
-        return 2 + 4 * (self.nodes - 1)
+    def candidates(self) -> int:
+        """Candidates per row: the root, ``width`` children of it, ``width`` squared per later level."""
+        return 1 + self.width + (self.depth - 1) * self.width * self.width
 
 
 def tree_mask(ancestors: torch.Tensor, base: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -85,31 +89,6 @@ def causal_rows_mask(lengths: torch.Tensor, t: int, columns: torch.Tensor, dtype
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
 
-@dataclass
-class _Candidates:
-    """The candidates of every row, grown level by level as lists of ``[R, k]`` pieces (joined
-    once at the end): tokens, parents (candidate ids), depths, cumulative log-probabilities."""
-
-    tok: list[torch.Tensor]
-    par: list[torch.Tensor]
-    dep: list[torch.Tensor]
-    key: list[torch.Tensor]
-    count: int = 1
-
-    def add(self, tok, par, dep, key) -> torch.Tensor:
-        """Append ``[R, k]`` candidates; their ids ``[k]``."""
-        ids = torch.arange(self.count, self.count + tok.shape[1], device=tok.device)
-        self.tok.append(tok)
-        self.par.append(par)
-        self.dep.append(dep)
-        self.key.append(key)
-        self.count += tok.shape[1]
-        return ids
-
-    def joined(self) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.cat(x, 1) for x in (self.tok, self.par, self.dep, self.key))
-
-
 def select(tok, par, dep, key, limits, caps, tables, priced, nodes: int) -> torch.Tensor:
     """Every row's tree from its candidates (``[R, M]`` each, candidate 0 the root): the best
     ``nodes - 1`` by key (ties to the older, so that parents come first) no deeper than
@@ -129,52 +108,105 @@ def select(tok, par, dep, key, limits, caps, tables, priced, nodes: int) -> torc
     return torch.cat([n[:, None], tok[:, :1], order, tok.gather(1, order), par.gather(1, order), dep.gather(1, order)], 1)
 
 
-def draft_loop(run: RunFn, logprobs: Callable[[torch.Tensor], torch.Tensor], root_hidden: torch.Tensor,
-               root_tok: torch.Tensor, base: torch.Tensor, limits: torch.Tensor, caps: torch.Tensor,
-               tables: torch.Tensor, priced: torch.Tensor, columns: torch.Tensor, shape: LoopShape, vocab_map: torch.Tensor | None) -> torch.Tensor:
-    """Every row's EAGLE-2 tree, fixed shapes throughout, no host read.
+@dataclass
+class LoopState:
+    """The fixed buffers of a step's draft loop for ``R`` rows (made once per rows bucket and
+    written in place, so that a captured graph finds them where it was recorded): the candidates
+    ``tok``, ``par`` (candidate ids, -1 at the root), ``dep`` and ``key`` (cumulative
+    log-probability) ``[R, M]``; the head's outputs at the tree's slots ``hidden [R, S, h]`` and
+    the slots' ancestors ``anc [R, S, S]``; the frontier's candidate ids, tokens, keys and its
+    parents' slots ``[R, K]``. Candidates a level did not make have key ``-inf`` and a depth past
+    every limit."""
 
-    ``root_hidden [R, h]``: the head's output at each row's root (its pair already in the cache
-    at column ``base[r]``, which is also its position); ``root_tok [R]``; ``logprobs(hidden [R,
-    k, h]) -> [R, k, Vd]`` float; ``vocab_map [Vd]`` maps draft ids to the verifier's (or None);
-    ``limits``, ``caps``, ``tables``, ``priced``: as :func:`select`; ``columns [C]``: the cache's columns
-    ``0..C-1`` (a tensor, so that one graph serves every capacity). Level ``d`` runs the head once on the
-    ``width`` frontier nodes of every row (their parents' outputs and their tokens, at position
-    ``base + d``, written at the tree's next slots). Returns :func:`select`'s packed trees."""
-    r, k_max, dev = root_tok.shape[0], shape.width, root_tok.device
-    s_all = shape.slots
-    eye = torch.eye(s_all, dtype=torch.bool, device=dev)
-    anc = eye[:1].expand(r, 1, s_all)  # [R, slots so far, S]: each slot's ancestors among the slots
-    hidden = root_hidden[:, None]  # [R, slots so far, h]
-    zeros = torch.zeros(r, 1, dtype=torch.long, device=dev)
-    cands = _Candidates([root_tok[:, None]], [zeros - 1], [zeros], [zeros.float()])
-    f_ids, f_key, f_slot = zeros, zeros.float(), zeros  # the frontier: candidate ids, keys, slots
-    f_tok = root_tok[:, None]
-    logp = logprobs(hidden)
-    for d in range(shape.depth):
-        if d > 0:  # the head on the frontier, in the slots after the last level's
-            new = torch.arange(1 + (d - 1) * k_max, 1 + d * k_max, device=dev)  # [k]
-            parents_anc = anc.gather(1, f_slot[:, :, None].expand(r, k_max, s_all)) | eye[new][None]
-            anc = torch.cat([anc, parents_anc], 1)
-            h_in = hidden.gather(1, f_slot[:, :, None].expand(r, k_max, hidden.shape[-1]))
-            positions = (base + d)[:, None].expand(r, k_max)
-            out = run(h_in, f_tok, positions, tree_mask(parents_anc, base, columns, h_in.dtype), base[:, None] + new)
-            hidden = torch.cat([hidden, out], 1)
-            logp = logprobs(out)
-            f_slot = new[None].expand(r, k_max)
-        kid_lp, kid_tok = logp.topk(k_max, dim=-1)  # [R, k, K]
-        if vocab_map is not None:
-            kid_tok = vocab_map[kid_tok]
-        k = kid_lp.shape[1]
-        keys = (f_key[:, :, None] + kid_lp).reshape(r, k * k_max)
-        ids = cands.add(kid_tok.reshape(r, -1), f_ids[:, :, None].expand(r, k, k_max).reshape(r, -1),
-                        torch.full((r, k * k_max), d + 1, dtype=torch.long, device=dev), keys)
-        if d + 1 < shape.depth:  # the next frontier: the best new nodes
-            pick = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :k_max]  # [R, K]
-            f_ids, f_key = ids[pick], keys.gather(1, pick)
-            f_tok = kid_tok.reshape(r, -1).gather(1, pick)
-            f_slot = f_slot.gather(1, pick // k_max)  # the parent's slot: refined to the node's own above
-    return select(*cands.joined(), limits, caps, tables, priced, shape.nodes)
+    tok: torch.Tensor
+    par: torch.Tensor
+    dep: torch.Tensor
+    key: torch.Tensor
+    hidden: torch.Tensor
+    anc: torch.Tensor
+    f_ids: torch.Tensor
+    f_tok: torch.Tensor
+    f_key: torch.Tensor
+    f_slot: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, shape: LoopShape, hidden: int, dtype: torch.dtype, device) -> LoopState:
+        m, s, k = shape.candidates, shape.slots, shape.width
+        long = dict(dtype=torch.long, device=device)
+        made = cls(torch.zeros(rows, m, **long), torch.zeros(rows, m, **long), torch.zeros(rows, m, **long),
+                   torch.zeros(rows, m, device=device), torch.zeros(rows, s, hidden, dtype=dtype, device=device),
+                   torch.zeros(rows, s, s, dtype=torch.bool, device=device), torch.zeros(rows, k, **long),
+                   torch.zeros(rows, k, **long), torch.zeros(rows, k, device=device), torch.zeros(rows, k, **long))
+        if rows > 1:  # one graph for every row count above 1
+            for t in made.tensors():
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return made
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+def _write(buffer: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
+    """``buffer[:, at] = values`` in place (``at [k]`` a device tensor: no host read)."""
+    buffer.index_copy_(1, at, values)
+
+
+def first_level(state: LoopState, logprobs: Callable[[torch.Tensor], torch.Tensor], root_hidden: torch.Tensor,
+                root_tok: torch.Tensor, shape: LoopShape, vocab_map: torch.Tensor | None) -> None:
+    """The loop's start, in place: every candidate cleared, the root (candidate 0, slot 0: the
+    head's output ``root_hidden [R, h]`` at token ``root_tok [R]``) and its ``width`` most likely
+    children (candidates 1..K, depth 1), which are the first frontier."""
+    k = shape.width
+    state.key.fill_(float("-inf"))
+    state.dep.fill_(shape.depth + 1)
+    state.anc.zero_()
+    state.anc[:, 0, 0] = True
+    state.hidden[:, 0] = root_hidden
+    kid_lp, kid_tok = logprobs(root_hidden[:, None])[:, 0].topk(k, dim=-1)  # [R, K], best first
+    if vocab_map is not None:
+        kid_tok = vocab_map[kid_tok]
+    state.tok[:, 0], state.par[:, 0], state.dep[:, 0], state.key[:, 0] = root_tok, -1, 0, 0.0
+    state.tok[:, 1 : k + 1], state.par[:, 1 : k + 1], state.dep[:, 1 : k + 1] = kid_tok, 0, 1
+    state.key[:, 1 : k + 1] = kid_lp
+    state.f_ids.copy_(torch.arange(1, k + 1, device=root_tok.device).expand_as(state.f_ids))
+    state.f_tok.copy_(kid_tok)
+    state.f_key.copy_(kid_lp)
+    state.f_slot.zero_()
+
+
+def next_level(state: LoopState, run: RunFn, logprobs: Callable[[torch.Tensor], torch.Tensor], level: torch.Tensor,
+               base: torch.Tensor, columns: torch.Tensor, shape: LoopShape, vocab_map: torch.Tensor | None) -> None:
+    """Level ``level`` (a 0-dim device tensor, 1 or more: one graph replayed for every level), in
+    place: the head runs once on every row's ``width`` frontier nodes (their parents' outputs and
+    their tokens, at position ``base + level``, written at the tree's next slots, seeing their
+    ancestors), each gets its ``width`` most likely children (depth ``level + 1``), and the best
+    of those by key, ties to the older, are the next frontier. ``base [R]``: each root's column;
+    ``columns [C]``: the cache's columns ``0..C-1``."""
+    r, k, s_all = state.f_ids.shape[0], shape.width, shape.slots
+    dev = base.device
+    new = 1 + (level - 1) * k + torch.arange(k, device=dev)  # [K]: this level's slots
+    mine = new[:, None] == torch.arange(s_all, device=dev)  # [K, S]
+    anc = state.anc.gather(1, state.f_slot[:, :, None].expand(r, k, s_all)) | mine
+    _write(state.anc, new, anc)
+    h_in = state.hidden.gather(1, state.f_slot[:, :, None].expand(r, k, state.hidden.shape[-1]))
+    out = run(h_in, state.f_tok, (base + level)[:, None].expand(r, k), tree_mask(anc, base, columns, h_in.dtype),
+              base[:, None] + new)
+    _write(state.hidden, new, out)
+    kid_lp, kid_tok = logprobs(out).topk(k, dim=-1)  # [R, K, K]
+    if vocab_map is not None:
+        kid_tok = vocab_map[kid_tok]
+    keys = (state.f_key[:, :, None] + kid_lp).reshape(r, k * k)
+    kid_tok = kid_tok.reshape(r, k * k)
+    ids = 1 + k + (level - 1) * k * k + torch.arange(k * k, device=dev)  # [K * K]: their candidate ids
+    _write(state.tok, ids, kid_tok)
+    _write(state.par, ids, state.f_ids[:, :, None].expand(r, k, k).reshape(r, k * k))
+    _write(state.dep, ids, (level + 1).expand(r, k * k))
+    _write(state.key, ids, keys)
+    pick = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :k]  # [R, K]
+    state.f_ids.copy_(ids[pick])
+    state.f_key.copy_(keys.gather(1, pick))
+    state.f_tok.copy_(kid_tok.gather(1, pick))
+    state.f_slot.copy_(new[pick // k])
 
 
 def host_tree(row: Sequence[int], nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -197,6 +229,7 @@ class _Row:
     length: int = 0
     feats: list[torch.Tensor] = field(default_factory=list)
     tokens: list[torch.Tensor] = field(default_factory=list)
+    kept_depth: int = 1 << 30  # the deepest node of its last tree (none yet: every level)
 
 
 class BatchEagleDrafter(Drafter):
@@ -209,10 +242,13 @@ class BatchEagleDrafter(Drafter):
         dtype: what the head computes in (default: the verifier's).
         compile: ``False`` (the loop eagerly), ``True`` (Inductor on a CPU, CUDA graphs on
             CUDA) or a ``torch.compile`` backend (tests).
+        adaptive_depth: draft one level deeper than the deepest node any drafting row kept last
+            time (at least one level, at most the tree's depth), a choice made on the host from
+            what it read anyway; ``False``: every level every time.
     """
 
     def __init__(self, head: DraftHead, verifier_model, tree: DynamicTreeSpec | None = None, *,
-                 dtype: torch.dtype | None = None, compile=False):
+                 dtype: torch.dtype | None = None, compile=False, adaptive_depth: bool = True):
         w = verifier_model.get_input_embeddings().weight
         self.device, self.dtype = w.device, dtype or w.dtype
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
@@ -229,11 +265,16 @@ class BatchEagleDrafter(Drafter):
         self.rows: dict[int, _Row] = {}
         self.cache: SlotCache | None = None
         self.columns: torch.Tensor | None = None  # [C]: 0..C-1, the slots' columns
+        self.adaptive_depth = adaptive_depth
+        self._levels = [torch.tensor(d, device=self.device) for d in range(self.shape.depth)]
+        self._states: dict[int, LoopState] = {}
         self.compiled = bool(compile)
-        self._loop = self._eager_loop
+        self._first, self._next, self._select = self._eager_first, self._eager_next, self._eager_select
         self.warmup_s = 0.0
         if compile:
-            self._loop = compile_step(self._eager_loop, self.device, "inductor" if compile is True else compile)
+            backend = "inductor" if compile is True else compile
+            self._first, self._next, self._select = (compile_step(f, self.device, backend)
+                                                     for f in (self._eager_first, self._eager_next, self._eager_select))
             self.warm_up()
 
     # ---- the slots -----------------------------------------------------------------------------
@@ -302,10 +343,31 @@ class BatchEagleDrafter(Drafter):
         logits = self.head.logits(hidden) if self.eagle3 else self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def _eager_loop(self, root_hidden, root_tok, limits, caps, tables, priced, base, columns) -> torch.Tensor:
-        """:func:`draft_loop` with this head (what ``compile`` compiles)."""
-        return draft_loop(self._run, self._logprobs, root_hidden, root_tok, base, limits, caps, tables, priced,
-                          columns, self.shape, self.vocab_map)
+    # the loop's three steps with this head (what ``compile`` compiles): the state's buffers as arguments
+
+    def _eager_first(self, root_hidden, root_tok, *buffers) -> None:
+        first_level(LoopState(*buffers), self._logprobs, root_hidden, root_tok, self.shape, self.vocab_map)
+
+    def _eager_next(self, level, base, columns, *buffers) -> None:
+        next_level(LoopState(*buffers), self._run, self._logprobs, level, base, columns, self.shape, self.vocab_map)
+
+    def _eager_select(self, limits, caps, tables, priced, tok, par, dep, key) -> torch.Tensor:
+        return select(tok, par, dep, key, limits, caps, tables, priced, self.shape.nodes)
+
+    def _state(self, rows: int) -> LoopState:
+        if rows not in self._states:
+            state = LoopState.empty(rows, self.shape, self.head.config.verifier.hidden_size, self.dtype, self.device)
+            if self.device.type == "cuda" and self.compiled:
+                for t in state.tensors():
+                    torch._dynamo.mark_static_address(t)
+            self._states[rows] = state
+        return self._states[rows]
+
+    def _depth(self, slots: Sequence[int]) -> int:
+        """How many levels to draft this step (see ``adaptive_depth``)."""
+        if not self.adaptive_depth:
+            return self.shape.depth
+        return max(1, min(self.shape.depth, 1 + max(self.rows[s].kept_depth for s in slots)))
 
     def _catch_up(self, roots: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the drafting rows (``roots``: row -> root token) their unseen committed pairs and
@@ -360,13 +422,27 @@ class BatchEagleDrafter(Drafter):
         if not drafting:
             return [root_only(q.root, self.device) for q in requests]
         root_hidden, base = self._catch_up({q.slot: q.root for q in requests if q.slot in drafting})
-        args = (root_hidden, *self._limits([q for q in requests if q.slot in drafting]), base)
-        if args[0].shape[0] > 1:  # one graph for every row count above 1
-            for t in args:
+        root_tok, *limits = self._limits([q for q in requests if q.slot in drafting])
+        r_all = root_hidden.shape[0]
+        if r_all > 1:  # one graph for every row count above 1
+            for t in (root_hidden, root_tok, base, *limits):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        rows = self._loop(*args, self.columns).tolist()  # the step's one read
-        return [host_draft(*host_tree(rows[self.rows[q.slot].slot], self.shape.nodes), self.device)
-                if q.slot in drafting else root_only(q.root, self.device) for q in requests]
+        state = self._state(r_all)
+        buffers = state.tensors()
+        self._first(root_hidden, root_tok, *buffers)
+        for level in self._levels[1 : self._depth(drafting)]:
+            self._next(level, base, self.columns, *buffers)
+        rows = self._select(*limits, state.tok, state.par, state.dep, state.key).tolist()  # the step's one read
+        drafts = []
+        for q in requests:
+            if q.slot not in drafting:
+                drafts.append(root_only(q.root, self.device))
+                continue
+            row = rows[self.rows[q.slot].slot]
+            tokens, parents = host_tree(row, self.shape.nodes)
+            self.rows[q.slot].kept_depth = max(row[2 + 3 * (self.shape.nodes - 1):][: row[0] - 1], default=0)
+            drafts.append(host_draft(tokens, parents, self.device))
+        return drafts
 
 
 def _flat(n: int) -> float:
