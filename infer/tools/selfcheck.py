@@ -41,6 +41,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -262,9 +263,12 @@ def part_speed(device: torch.device, small: bool, record, shared: dict | None = 
     return res
 
 
-def _hf_static_compiled(model, ids: torch.Tensor, n: int, compiled: dict) -> list[int]:
-    """Greedy decoding as gpt-fast does it with HF's pieces: a ``StaticCache``, the prompt eager,
-    then the one-token forward compiled (CUDA graphs on CUDA; made once, in ``compiled``)."""
+def _hf_static_compiled(model, ids: torch.Tensor, n: int, compiled: dict, capacity: int | None = None,
+                        eos: Sequence[int] = ()) -> list[int]:
+    """Greedy decoding as gpt-fast does it with HF's pieces: a ``StaticCache`` (``capacity``
+    columns, default the first call's prompt plus ``n``), the prompt eager, then the one-token
+    forward compiled (CUDA graphs on CUDA; made once, in ``compiled``); stops after ``n`` tokens
+    or at a token of ``eos`` (read per token, as HF ``generate``'s stopping criteria do)."""
     from transformers import StaticCache
 
     from ..core.verifier import cache_keyword
@@ -273,7 +277,7 @@ def _hf_static_compiled(model, ids: torch.Tensor, n: int, compiled: dict) -> lis
     ids = ids.view(1, -1).to(dev)
     kw = cache_keyword(model)
     if "step" not in compiled:  # one cache for every call (its buffers are where the graphs were captured)
-        compiled["cache"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + n)
+        compiled["cache"] = StaticCache(config=model.config, max_cache_len=capacity or ids.shape[1] + n)
         compiled["step"] = torch.compile(model.forward, mode="reduce-overhead" if dev.type == "cuda" else None)
     cache = compiled["cache"]
     with torch.inference_mode():
@@ -281,6 +285,8 @@ def _hf_static_compiled(model, ids: torch.Tensor, n: int, compiled: dict) -> lis
         logits = model(input_ids=ids, use_cache=True, **{kw: cache}).logits[:, -1]
         out = [logits.argmax(-1)]
         for i in range(n - 1):
+            if eos and int(out[-1]) in eos:
+                break
             pos = torch.tensor([[ids.shape[1] + i]], device=dev)
             logits = compiled["step"](input_ids=out[-1].view(1, 1), position_ids=pos, use_cache=True, **{kw: cache}).logits[:, -1]
             out.append(logits.argmax(-1).clone())
