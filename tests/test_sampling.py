@@ -231,7 +231,7 @@ def test_a_budget_chosen_from_drawn_tokens_is_caught():
 @pytest.mark.slow
 def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model):
     """The EAGLE drafter's real path (tree growth, calibration, the cost budget, the pause when
-    drafting does not pay) on a tiny model, 20,000 three-token samples, against the exact joint."""
+    drafting does not pay) on a tiny model, 12,000 three-token samples, against the exact joint."""
     from heads import HeadConfig, VerifierSpec, build_head
     from infer.core.schedule import VerifyCost
     from infer.drafting.head_drafters import EagleDrafter
@@ -248,7 +248,7 @@ def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model)
         res = generate(m, drafter, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed, budget=curve)
         return res.token_ids, [n for n, k in enumerate(res.stats.nodes_hist) if k]
 
-    samples = forked_map(draw, range(20_000))
+    samples = forked_map(draw, range(12_000))
     sizes = {n for _, ns in samples for n in ns}
     assert len(sizes) > 1  # the budget varied from step to step
     assert chi_square_pvalue(tally(ids for ids, _ in samples), probs) > 1e-3
@@ -256,7 +256,7 @@ def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model)
 
 # --- depth 3: the union of a head and prompt lookup, pruning, the gate, an observed cost curve --
 
-N_DEEP = 8_000
+N_DEEP = 6_000
 
 
 def exact_joint_n(model, n: int, temperature: float = 1.0) -> torch.Tensor:

@@ -298,11 +298,13 @@ def part_compiled(device: torch.device, small: bool, record, shared: dict | None
     item: (a) batch 1 tokens/s of HF ``generate`` eager, HF's static cache with a compiled
     one-token step, and the compiled engine with no draft (and its warm-up seconds); (b) an oracle
     chain of depth 4 against its ideal speedup (tau over the verify cost of 5 nodes); (c) a
-    random EAGLE-3 head's drafting time over the compiled verify time; (d) batches of 4 and 16."""
+    random EAGLE-3 head's drafting time (its compiled batched loop) over the compiled verify time;
+    (d) batches of 4 and 16; then the same head drafting eagerly row by row, for comparison."""
     from ..core.drafter import NoDrafter
     from ..core.engine import Engine, generate
     from ..core.schedule import measure_verify_cost
     from ..core.tree import DynamicTreeSpec
+    from ..drafting.eagle_batch import BatchEagleDrafter
     from ..drafting.head_drafters import EagleDrafter
 
     model, name, dtype = _speed_model(device, small, {} if shared is None else shared)
@@ -339,13 +341,11 @@ def part_compiled(device: torch.device, small: bool, record, shared: dict | None
                             "speedup_vs_none": round(t_none / t4, 3), "ideal": round(ideal, 3),
                             "achieved_over_ideal": round(t_none / t4 / ideal, 3), "identical": out4.token_ids == ref}
     record(res)
-    head = _random_eagle3(model, min(32000, vocab))
-    _, out_e = _timed(lambda: generate(compiled_v, EagleDrafter(head, model, DynamicTreeSpec(6, 8, 32), adaptive=False), ids,
-                                       max_new_tokens=n_new), device)  # the warm-up run compiles the graphs with features
-    st = out_e.stats
-    res["eagle3_random"] = {"draft_over_verify": round(st.draft_s / max(st.verify_s, 1e-9), 3),
-                            "draft_ms_per_step": round(1e3 * st.draft_s / max(1, st.verify_steps), 3),
-                            "verify_ms_per_step": round(1e3 * st.verify_s / max(1, st.verify_steps), 3)}
+    head, spec = _random_eagle3(model, min(32000, vocab)), DynamicTreeSpec(6, 8, 32)
+    t0 = time.perf_counter()
+    loop = BatchEagleDrafter(head, model, spec, compile=True)  # compiles its graphs
+    res["eagle3_random"] = {"loop_warmup_s": round(time.perf_counter() - t0, 1)}
+    res["eagle3_random"].update(_drafting_share(compiled_v, loop, ids, n_new, device))
     record(res)
     g = torch.Generator().manual_seed(2)
     for b in (4, 16):
@@ -357,7 +357,23 @@ def part_compiled(device: torch.device, small: bool, record, shared: dict | None
         res[f"batch{b}"] = {"tok_s": round(b * n_new / t_b, 1), "eager_tok_s": round(b * n_new / t_e, 1),
                             "identical_rows": sum(o.token_ids == r for o, r in zip(outs, alone))}
         record(res)
+    eager = EagleDrafter(head, model, spec, adaptive=False)  # for comparison: the heads drafting row by row, eagerly
+    res["eagle3_random_eager_drafter"] = _drafting_share(compiled_v, eager, ids, n_new, device)
+    record(res)
     return res
+
+
+def _drafting_share(verifier, drafter, ids: torch.Tensor, n_new: int, device) -> dict:
+    """One generation through ``verifier`` with ``drafter`` (after a warm-up run that compiles
+    the verify graphs with features): its drafting time over its verify time, per step."""
+    from ..core.engine import generate
+
+    _, out = _timed(lambda: generate(verifier, drafter, ids, max_new_tokens=n_new), device)
+    st = out.stats
+    return {"draft_over_verify": round(st.draft_s / max(st.verify_s, 1e-9), 3),
+            "draft_ms_per_step": round(1e3 * st.draft_s / max(1, st.verify_steps), 3),
+            "verify_ms_per_step": round(1e3 * st.verify_s / max(1, st.verify_steps), 3),
+            "tau": round(st.mean_accepted, 3)}
 
 
 def part_batch(device: torch.device, small: bool, record, shared: dict | None = None) -> dict:
