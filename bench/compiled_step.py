@@ -27,6 +27,35 @@ def _texts(path: str, limit: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines[:: max(1, len(lines) // limit)][:limit]]
 
 
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The options of a side-by-side run over unseen prompts (shared with ``draft_loop.py``)."""
+    p.add_argument("--prompts", default="configs/prompts/unseen.jsonl")
+    p.add_argument("--limit", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", type=Path, required=True)
+
+
+def prompt_ids(tokenizer, args) -> list:
+    """``--limit`` prompts spread over ``--prompts``, encoded (chat-templated)."""
+    from infer.core.text import encode_prompt
+
+    return [encode_prompt(tokenizer, t) for t in _texts(args.prompts, args.limit)]
+
+
+def machine() -> dict:
+    import torch
+
+    from infer.core.static import cpu_name
+
+    return {"cpu": cpu_name(), "cores": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__}
+
+
+def command(script: str, args) -> str:
+    """The command line that reproduces ``args``."""
+    return f"python bench/{script} " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+
+
 def main() -> int:
     import torch
 
@@ -35,21 +64,17 @@ def main() -> int:
     from infer.core.models import load_verifier
     from infer.core.params import SamplingParams
     from infer.core.schedule import measure_verify_cost
-    from infer.core.static import StaticVerifier, cpu_name
-    from infer.core.text import encode_prompt, eos_ids
+    from infer.core.static import StaticVerifier
+    from infer.core.text import eos_ids
     from infer.core.verifier import Verifier
     from infer.drafting.loading import load_drafter
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", default="configs/prompts/unseen.jsonl")
-    p.add_argument("--limit", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    add_run_args(p)
     p.add_argument("--drafts", default="none,auto")
-    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     lv = load_verifier("default")
-    ids = [encode_prompt(lv.tokenizer, t) for t in _texts(args.prompts, args.limit)]
+    ids = prompt_ids(lv.tokenizer, args)
     eos = eos_ids(lv.model, lv.tokenizer)
     engines, warmup = {}, {}
     for draft in args.drafts.split(","):
@@ -94,9 +119,8 @@ def main() -> int:
     curves = {"eager": measure_verify_cost(eager_v, (1, 2, 4, 8, 16, 32, 64)),
               "compiled": measure_verify_cost(static_v, (1, 2, 4, 8, 16, 32, 64))}
     result = {
-        "machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__},
-        "command": "python bench/compiled_step.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "machine": machine(),
+        "command": command("compiled_step.py", args),
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "tokens_per_s": rates, "median_tokens_per_s": median,
         "over_hf": {m: round(v / median["hf"], 3) for m, v in median.items()},

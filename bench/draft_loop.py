@@ -15,34 +15,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
-from pathlib import Path
+
+from compiled_step import add_run_args, command, machine, prompt_ids  # the run's options, prompts and record
 
 
 def main() -> int:
-    import torch
-
     from heads.io import write_atomic
     from infer.core.engine import Engine
     from infer.core.models import load_verifier
     from infer.core.params import SamplingParams
-    from infer.core.static import cpu_name
-    from infer.core.text import encode_prompt, eos_ids
+    from infer.core.text import eos_ids
     from infer.core.verifier import Verifier
     from infer.drafting.loading import load_drafter
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", default="configs/prompts/unseen.jsonl")
-    p.add_argument("--limit", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    add_run_args(p)
     p.add_argument("--budget", choices=("auto", "fixed"), default="fixed")
-    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     lv = load_verifier("default")
-    lines = Path(args.prompts).read_text().splitlines()
-    ids = [encode_prompt(lv.tokenizer, json.loads(line)["prompt"]) for line in lines[:: max(1, len(lines) // args.limit)][: args.limit]]
+    ids = prompt_ids(lv.tokenizer, args)
     eos = eos_ids(lv.model, lv.tokenizer)
     ready, engines = {}, {}
     for name, compiled in (("eager drafter", False), ("compiled loop", True)):
@@ -78,9 +70,8 @@ def main() -> int:
             identical[name] = identical.get(name, True) and outs == reference
             print(f"round {r + 1} {name}: {rounds[name][-1]}", flush=True)
     result = {
-        "machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__},
-        "command": "python bench/draft_loop.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "machine": machine(),
+        "command": command("draft_loop.py", args),
         "rounds": rounds, "ready_s": ready, "identical_to_plain": identical,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
