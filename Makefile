@@ -22,12 +22,14 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/specheads generate --verifier default --draft auto --max-new-tokens 128 --compare --prompt "$(PROMPT)"
 
+# both run on every core (pytest-xdist: one worker per core, one torch thread each; a worker
+# takes queued tests from the other when it runs dry)
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 # the fast tier, what a developer runs while working: every test not marked slow
 check: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow"
 
 # ruff, then the guards: no work-history markers in tracked files, no machine paths or stubs in what ships
 lint: setup

@@ -4,6 +4,10 @@ continuation is :class:`infer.tools.selfcheck.OracleDrafter`)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,35 @@ import torch
 from infer.core.models import TINY_ARCHS, tiny_random_model
 
 VOCAB = 256
+
+#: set in each process that pytest-xdist runs tests in (``make test`` runs two, one per core)
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def pytest_configure(config):
+    """One torch thread per xdist worker (the workers share the cores), and a project cache that
+    holds no compile measurements: a developer's ``compile.json`` must not change what the tests
+    run (``--compile auto`` would compile at construction where it says "faster"). The cache is a
+    temporary folder of links to the real one's entries, so converted verifiers are reused."""
+    if XDIST_WORKER:
+        torch.set_num_threads(1)
+    sealed = _seal_compile_verdicts()
+    if sealed is not None:
+        config.add_cleanup(lambda: shutil.rmtree(sealed, ignore_errors=True))  # the links, not what they point to
+
+
+def _seal_compile_verdicts() -> Path | None:
+    from infer.core.converted import cache_root
+
+    real = cache_root()
+    if real is None or not real.is_dir():
+        return None
+    sealed = Path(tempfile.mkdtemp(prefix="specheads-test-cache-"))
+    for entry in real.iterdir():
+        if entry.name != "compile.json" and not entry.name.startswith("."):
+            (sealed / entry.name).symlink_to(entry)
+    os.environ["SPECHEADS_CACHE"] = str(sealed)  # inherited by the subprocesses the tests start
+    return sealed
 
 
 @pytest.fixture(scope="session", params=TINY_ARCHS)
@@ -77,7 +110,7 @@ def bench_stopped_at_prompt_two(monkeypatch):
         monkeypatch.setattr(bench, "hf_generate", real)
 
 
-def forked_map(fn, items, workers: int = 2) -> list:
+def forked_map(fn, items, workers: int | None = None) -> list:
     """``[fn(x) for x in items]``, the items dealt round-robin to ``workers`` processes forked from
     this one (each with one torch thread; this process takes the first share), so that the long
     statistical tests use every core of a CI machine. ``fn`` returns picklable plain values; the
@@ -86,6 +119,8 @@ def forked_map(fn, items, workers: int = 2) -> list:
     import multiprocessing as mp
 
     items = list(items)
+    if workers is None:  # under xdist the other worker has the other core
+        workers = 1 if XDIST_WORKER else 2
     if workers < 2 or "fork" not in mp.get_all_start_methods():
         return [fn(x) for x in items]
     ctx = mp.get_context("fork")

@@ -85,12 +85,26 @@ def tally(samples, n_tokens: int = 3) -> torch.Tensor:
     return counts
 
 
-def spec_counts(model, drafter, temperature, top_k, top_p, budget="fixed") -> torch.Tensor:
-    def draw(seed):
-        return generate(model, drafter, PROMPT, max_new_tokens=3, temperature=temperature,
-                        top_k=top_k, top_p=top_p, seed=seed, budget=budget).token_ids
+#: rows per batched generation in :func:`spec_counts` (with a fixed budget)
+BATCH = 25
 
-    return tally(forked_map(draw, range(N_SAMPLES)))
+
+def spec_counts(model, drafter, temperature, top_k, top_p, budget="fixed", rows: int | None = None,
+                workers: int | None = None) -> torch.Tensor:
+    """Counts of ``N_SAMPLES`` speculative samples of three tokens. With a fixed budget the
+    samples are drawn ``BATCH`` rows at a time (row ``i`` of a batch seeded with ``seed + i``:
+    every row is its own generation, and batches are the engine's path too); a cost curve
+    prices a batch's trees by the batch's verify cost, so there each sample is a batch of one
+    (else most trees would shrink to their root and the test would sample plainly). ``rows``
+    overrides the batch size; ``workers`` is :func:`forked_map`'s."""
+    rows = rows or (BATCH if budget == "fixed" else 1)
+
+    def draw(seed):
+        res = generate(model, drafter, [PROMPT] * rows, max_new_tokens=3, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=seed, budget=budget)
+        return [r.token_ids for r in res]
+
+    return tally(ids for batch in forked_map(draw, range(0, N_SAMPLES, rows), workers) for ids in batch)
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -165,22 +179,23 @@ STEP_COST = None  # built lazily: VerifyCost((1, 2, 3, 4, 8), (1, 1.25, 1.6, 2.2
 N_STEP = 20_000
 
 
-def _first_tokens(draft_fn, n=N_STEP) -> torch.Tensor:
+def _first_tokens(draft_fn, n=N_STEP, rows: int = 500) -> torch.Tensor:
     """Counts ``[6]`` of the first emitted token over ``n`` one-step verifications against a
-    context-free verifier ``P_STEP``."""
+    context-free verifier ``P_STEP`` (``rows`` drafts at a time, padded into one batch of trees)."""
     from infer.core.accept import q_rows, read_back_rows
     from infer.core.batch import stack_drafts
 
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(len(P_STEP))
-    for _ in range(n):
-        tokens, tree, q = draft_fn(g)
-        trees = stack_drafts([Draft(tokens, tree, q)], "cpu")
-        p = P_STEP.expand(1, tree.num_nodes, -1)
+    for start in range(0, n, rows):  # ``rows`` independent draws verified as one batch
+        b = min(rows, n - start)
+        trees = stack_drafts([Draft(*draft_fn(g)) for _ in range(b)], "cpu")
+        p = P_STEP.expand(b, trees.num_nodes, -1)
         q = trees.q if trees.q is not None else torch.zeros_like(p)
-        u = torch.rand(1, tree.num_nodes, generator=g, dtype=torch.float64)
-        end, bonus = q_rows(trees, p, q, u, torch.rand(1, generator=g, dtype=torch.float64))
-        counts[read_back_rows(trees, end, bonus).rows[0].tokens[0]] += 1
+        u = torch.rand(b, trees.num_nodes, generator=g, dtype=torch.float64)
+        end, bonus = q_rows(trees, p, q, u, torch.rand(b, generator=g, dtype=torch.float64))
+        for row in read_back_rows(trees, end, bonus).rows:
+            counts[row.tokens[0]] += 1
     return counts
 
 
