@@ -110,17 +110,16 @@ def bench_stopped_at_prompt_two(monkeypatch):
         monkeypatch.setattr(bench, "hf_generate", real)
 
 
-def forked_map(fn, items, workers: int | None = None) -> list:
+def forked_map(fn, items, workers: int = 2) -> list:
     """``[fn(x) for x in items]``, the items dealt round-robin to ``workers`` processes forked from
     this one (each with one torch thread; this process takes the first share), so that the long
-    statistical tests use every core of a CI machine. ``fn`` returns picklable plain values; the
+    statistical tests use every core of a CI machine (under xdist too: a long test split in two ends
+    sooner, so that it does not end the run alone while the other worker idles). ``fn`` returns picklable plain values; the
     forked processes start from this process's state (models, drafters, monkeypatches) and their
     later state changes stay theirs. Falls back to one process where ``fork`` does not exist."""
     import multiprocessing as mp
 
     items = list(items)
-    if workers is None:  # under xdist the other worker has the other core
-        workers = 1 if XDIST_WORKER else 2
     if workers < 2 or "fork" not in mp.get_all_start_methods():
         return [fn(x) for x in items]
     ctx = mp.get_context("fork")
