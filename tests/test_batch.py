@@ -756,3 +756,29 @@ def test_typical_acceptance_at_temperature_0_is_greedy_from_its_first_token(llam
     p = prompts((7,))[0]
     out = generate(llama, None, p, max_new_tokens=8, temperature=0.0, acceptance="typical", seed=3)
     assert out.token_ids == hf_greedy(llama, p, 8)
+
+
+def test_every_row_drafting_that_loses_pauses_before_it_is_tried_again():
+    """One row's draft pays at 4 rows (a token for 10% of a step) but every row drafting loses (its
+    padded trees cost more than they add: 0.91x plain): each try of it measures its warm-up
+    steps, then the batch does not draft every row again until a pause that doubles has passed,
+    so that in 200 steps few are lost to it (the step right after a losing try is not one)."""
+    from infer.core.schedule import ALL, ONE, PLAIN, SpecPolicy
+
+    policy = SpecPolicy(first_pause=4, max_pause=64)
+    plans = []
+    for _ in range(200):
+        plan = policy.plan(4)
+        plans.append(plan)
+        drafted = {ALL: 4, ONE: 1, PLAIN: 0}[plan]
+        extra = {ALL: 0.12, ONE: 0.01, PLAIN: 0.0}[plan]
+        policy.record(4, drafted, 4 + drafted, 0.1 + extra)
+    runs, run = [], 0
+    for p in plans + [PLAIN]:
+        if p == ALL:
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    assert runs and max(runs) == policy.warmup, runs  # a try lasts its warm-up, no step more
+    assert len(runs) <= 6 and sum(runs) <= 12, runs  # pauses of 4, 8, 16, 32, 64 between tries

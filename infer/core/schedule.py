@@ -318,6 +318,7 @@ class _Bucket:
     extra_time: _Ema = field(default_factory=_Ema)  # one row drafting: seconds beyond the plain step's
     probe_rate: _Ema = field(default_factory=_Ema)  # plain tokens/s at the row counts those probes ran at
     full_gain: _Ema = field(default_factory=_Ema)  # every row drafting: tokens/s over plain tokens/s at its row count
+    full_lost: bool = False  # the last try of every row drafting lost (``full`` holds the pause after it)
 
     @property
     def plain_steps(self) -> int:
@@ -388,9 +389,11 @@ class SpecPolicy:
         if one_pays:
             if k.full_gain.steps < self.warmup or k.full_gain.value > 1.0 + self.margin:
                 return ALL
-            if not k.full.waiting():  # every row drafting lost: try it again after a pause that doubles
+            if not k.full_lost:  # every row drafting lost: not again before a pause that doubles
                 k.full.failed()
-                k.full_gain = _Ema()
+                k.full_lost = True
+            elif not k.full.waiting():  # the pause is over: try it again, measured afresh
+                k.full_lost, k.full_gain = False, _Ema()
                 return ALL
         if k.probe.waiting():
             return PLAIN
