@@ -23,27 +23,43 @@ XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 def pytest_configure(config):
     """One torch thread per xdist worker (the workers share the cores), and a project cache that
     holds no compile measurements: a developer's ``compile.json`` must not change what the tests
-    run (``--compile auto`` would compile at construction where it says "faster"). The cache is a
-    temporary folder of links to the real one's entries, so converted verifiers are reused."""
+    run (``--compile auto`` would compile at construction where it says "faster"), and what the
+    tests measure must not reach it. The cache is a temporary folder of links to the real one's
+    entries (converted verifiers are reused), made once by the process that starts the run (xdist's
+    workers inherit it); what the run converted anew is moved into the real cache at the end."""
     if XDIST_WORKER:
         torch.set_num_threads(1)
-    sealed = _seal_compile_verdicts()
-    if sealed is not None:
-        config.add_cleanup(lambda: shutil.rmtree(sealed, ignore_errors=True))  # the links, not what they point to
-
-
-def _seal_compile_verdicts() -> Path | None:
+        return
     from infer.core.converted import cache_root
 
     real = cache_root()
-    if real is None or not real.is_dir():
-        return None
+    if real is None:  # the cache is off (SPECHEADS_CACHE=''): nothing is stored, nothing to seal
+        return
     sealed = Path(tempfile.mkdtemp(prefix="specheads-test-cache-"))
-    for entry in real.iterdir():
+    for entry in real.iterdir() if real.is_dir() else ():
         if entry.name != "compile.json" and not entry.name.startswith("."):
             (sealed / entry.name).symlink_to(entry)
-    os.environ["SPECHEADS_CACHE"] = str(sealed)  # inherited by the subprocesses the tests start
-    return sealed
+    os.environ["SPECHEADS_CACHE"] = str(sealed)  # inherited by the workers and the subprocesses tests start
+    config.add_cleanup(lambda: _unseal(sealed, real))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``early`` first, in their order (a stable sort): started last, one of them
+    would run alone at the end while the other worker idles."""
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)
+
+
+def _unseal(sealed: Path, real: Path) -> None:
+    """Keep what the run converted (new, whole conversions in ``sealed``) in ``real``; remove
+    ``sealed`` (its links, not what they point to)."""
+    from infer.core.converted import MARKER
+
+    for entry in sealed.iterdir():
+        whole = entry.is_dir() and not entry.is_symlink() and (entry / MARKER).is_file()
+        if whole and not entry.name.startswith(".") and not (real / entry.name).exists():
+            real.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(entry), str(real / entry.name))
+    shutil.rmtree(sealed, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=TINY_ARCHS)
@@ -110,16 +126,18 @@ def bench_stopped_at_prompt_two(monkeypatch):
         monkeypatch.setattr(bench, "hf_generate", real)
 
 
-def forked_map(fn, items, workers: int = 2) -> list:
+def forked_map(fn, items, workers: int | None = None) -> list:
     """``[fn(x) for x in items]``, the items dealt round-robin to ``workers`` processes forked from
     this one (each with one torch thread; this process takes the first share), so that the long
-    statistical tests use every core of a CI machine (under xdist too: a long test split in two ends
-    sooner, so that it does not end the run alone while the other worker idles). ``fn`` returns picklable plain values; the
+    statistical tests use every core of a CI machine (default: 2, or 1 in an xdist worker, whose
+    neighbour keeps the other core busy). ``fn`` returns picklable plain values; the
     forked processes start from this process's state (models, drafters, monkeypatches) and their
     later state changes stay theirs. Falls back to one process where ``fork`` does not exist."""
     import multiprocessing as mp
 
     items = list(items)
+    if workers is None:
+        workers = 1 if XDIST_WORKER else 2
     if workers < 2 or "fork" not in mp.get_all_start_methods():
         return [fn(x) for x in items]
     ctx = mp.get_context("fork")

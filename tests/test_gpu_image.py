@@ -14,6 +14,7 @@ import gpu_image  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.early
 def test_the_selfcheck_runs_on_the_gpu_images_versions(tmp_path):
     python = gpu_image.build(log=lambda *_: None)
     env = gpu_image.environment(python)

@@ -244,6 +244,7 @@ def test_a_budget_chosen_from_drawn_tokens_is_caught():
 
 
 @pytest.mark.slow
+@pytest.mark.early
 def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model):
     """The EAGLE drafter's real path (tree growth, calibration, the cost budget, the pause when
     drafting does not pay) on a tiny model, 12,000 three-token samples, against the exact joint."""
@@ -288,6 +289,7 @@ def exact_joint_n(model, n: int, temperature: float = 1.0) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.early
 def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypatch):
     """``auto``'s union (an EAGLE-3 head and prompt lookup) with depth-3 dynamic trees, pruning,
     the gate and an :class:`~infer.core.schedule.OnlineCost` that the engine feeds every verify step (its

@@ -8,6 +8,7 @@ from infer.tools.cli import main
 
 
 @pytest.mark.slow
+@pytest.mark.early
 def test_selfcheck_small_runs_every_part_and_writes_json_and_png(tmp_path, capsys):
     out = tmp_path / "check"
     assert main(["selfcheck", "--device", "cpu", "--small", "--out", str(out)]) == 0, capsys.readouterr().err
