@@ -318,7 +318,6 @@ class _Bucket:
     extra_time: _Ema = field(default_factory=_Ema)  # one row drafting: seconds beyond the plain step's
     probe_rate: _Ema = field(default_factory=_Ema)  # plain tokens/s at the row counts those probes ran at
     full_gain: _Ema = field(default_factory=_Ema)  # every row drafting: tokens/s over plain tokens/s at its row count
-    full_lost: bool = False  # the last try of every row drafting lost (``full`` holds the pause after it)
 
     @property
     def plain_steps(self) -> int:
@@ -386,15 +385,11 @@ class SpecPolicy:
         if k.extra_time.steps < self.warmup:  # the last probe's cost, or a smaller batch's verdict, may say wait
             return PLAIN if k.probe.waiting() else ONE
         one_pays = self._one_pays(k)
-        if one_pays:
+        if one_pays and not k.full.waiting():  # (waiting: every row drafting lost, and its pause runs)
             if k.full_gain.steps < self.warmup or k.full_gain.value > 1.0 + self.margin:
-                return ALL
-            if not k.full_lost:  # every row drafting lost: not again before a pause that doubles
-                k.full.failed()
-                k.full_lost = True
-            elif not k.full.waiting():  # the pause is over: try it again, measured afresh
-                k.full_lost, k.full_gain = False, _Ema()
-                return ALL
+                return ALL  # a try being measured (the first, or one after a pause), or one that pays
+            k.full.failed()  # it lost: not again before a pause that doubles, then measured afresh
+            k.full_gain = _Ema()
         if k.probe.waiting():
             return PLAIN
         k.probe.failed(reset=one_pays)  # probe one row now, then pause longer unless it pays
