@@ -22,7 +22,7 @@ from compiled_step import command, machine  # the run's record (python puts benc
 
 #: operator-name fragments of each category (first match wins; lower case)
 CATEGORIES = (
-    ("matmul", ("linear", "addmm", "aten::mm", "matmul", "bmm_", "mkldnn", "onednn", "gemm", "extern_kernels.mm")),
+    ("matmul", ("linear", "addmm", "aten::mm", "matmul", "mkldnn", "onednn", "gemm", "extern_kernels.mm")),
     ("attention", ("attention", "sdpa", "softmax", "bmm")),
 )
 
@@ -91,17 +91,13 @@ def weights_floor(model) -> dict:
     largest matrix (the output projection), and the milliseconds streaming them all takes."""
     import torch
 
+    from infer.core.kernels import median_seconds
+
     weight = model.get_output_embeddings().weight
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
     with torch.inference_mode():
-        for _ in range(3):
-            torch.nn.functional.linear(x, weight)
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            times.append(time.perf_counter() - t0)
-    gbps = weight.numel() * weight.element_size() / statistics.median(times) / 1e9
+        seconds = median_seconds(lambda: torch.nn.functional.linear(x, weight), 20)
+    gbps = weight.numel() * weight.element_size() / seconds / 1e9
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     read = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     if tied:  # the tied output projection is read by the pass; the embedding lookup reads a row
