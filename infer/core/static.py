@@ -359,7 +359,9 @@ def compile_step(step: Callable, device: torch.device, backend: str = "inductor"
     dynamic on the buffers themselves (:class:`StepInputs`, :func:`slot_cache`), so that the
     model's own constants stay constants (``dynamic=True`` would turn its float attributes into
     values read from the host at every call). Inductor on a CPU freezes the weights into the graph
-    (prepacked oneDNN linears; the step runs under ``inference_mode``, which freezing needs);
+    as constants, so that its linears are prepacked (MKL for a static row count, oneDNN for a
+    dynamic one): the step runs under ``inference_mode`` and Inductor's global ``freezing``
+    setting, which Dynamo reads when it traces (a per-call patch, about 25 us);
     on CUDA it captures CUDA graphs (``mode="reduce-overhead"``) and the outputs (any tensors it
     returns) are cloned, as a replay reuses them."""
     if backend != "inductor":
@@ -372,7 +374,12 @@ def compile_step(step: Callable, device: torch.device, backend: str = "inductor"
 
         return run
     compiled = torch.compile(step, options={"freezing": True})
-    return compiled
+
+    def frozen(*args):  # Dynamo reads Inductor's global `freezing` when it traces (the option alone leaves the
+        with torch._inductor.config.patch(freezing=True):  # weights graph inputs, every linear a stock mm)
+            return compiled(*args)
+
+    return frozen
 
 
 # ---- choosing the path: --compile auto / on / off ------------------------------------------------
