@@ -412,13 +412,18 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+#: the compiled step's version in :func:`model_key`: a change that can turn a measurement's verdict
+#: (the weights frozen into the graphs) makes every machine measure again
+STEP_VERSION = 2
+
+
 def model_key(model) -> str:
     """What a compile measurement is valid for: this CPU, this PyTorch, this model's
-    architecture and dtype (a hash of its config)."""
+    architecture and dtype (a hash of its config), this version of the step."""
     cpu = cpu_name()
     config = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
     dtype = str(model.get_input_embeddings().weight.dtype)
-    return f"{cpu}|torch {torch.__version__}|{os.cpu_count()} cpus|{config}|{dtype}"
+    return f"{cpu}|torch {torch.__version__}|{os.cpu_count()} cpus|{config}|{dtype}|step {STEP_VERSION}"
 
 
 def verdicts_file() -> Path | None:
