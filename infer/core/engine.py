@@ -582,7 +582,7 @@ class Engine:
         # prompts of unlike lengths in passes of their own (less padding); the batch's rows in pass order
         groups = [[rows[i] for i in g] for g in prefill_groups([int(r.ids.numel()) for r in rows], self.PREFILL_PASS_TOKENS)]
         rows = [r for group in groups for r in group]
-        quiet = self.schedule.quiet_steps(len(self.rows) + len(rows))
+        quiet = self.schedule.quiet_steps(len(self.rows) + len(rows), max(r.stopper.max_new for r in rows) - 1)
         outs = []
         for group in groups:  # a pass whose rows all end before the batch would let them draft: cold
             warm = any(r.stopper.max_new - 1 > quiet for r in group)

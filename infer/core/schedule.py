@@ -615,9 +615,18 @@ class Schedule:
         if sampled:
             self._sampled_gate = gate
 
-    def quiet_steps(self, rows: int) -> int:
-        """Coming steps of ``rows`` rows that are plain whatever happens (:meth:`SpecPolicy.quiet_steps`)."""
-        return self.policy.quiet_steps(rows)
+    def quiet_steps(self, rows: int, depth: int = 64) -> int:
+        """Coming steps of ``rows`` rows that are plain whatever happens: the policy's
+        (:meth:`SpecPolicy.quiet_steps`), the refusal's pause while it runs, and the pause a
+        refusal would start where the drafter's measured cost makes every draft of up to ``depth``
+        levels a loss at this batch size (rows that join then are never fed to a draft model that
+        would not draft for them)."""
+        quiet = self.policy.quiet_steps(rows)
+        if not self.timed or self.measuring:
+            return quiet
+        price = self.price(rows)
+        refused = price is not None and not price.pays(min(depth, 64))
+        return max(quiet, self.refusal.skip, self.refusal.pause if refused else 0)
 
     def _view_of(self, rows: int, alone: bool):
         return self.cost if rows == 1 and not alone else BatchCost(self.cost, rows, alone=alone)
