@@ -393,14 +393,17 @@ def check_compile(choice: str) -> str:
     return choice
 
 
-def artifacts_cached() -> bool:
-    """Whether Inductor keeps compiled graphs across processes (its FX graph cache is on), so that
-    a later process pays tracing, not code generation."""
+def artifacts_cached(device) -> bool:
+    """Whether a later process reuses the compiled step's code on ``device`` (Inductor's FX graph
+    cache), paying tracing, not code generation: on CUDA where that cache is on; never on a CPU,
+    where the step's graphs hold the weights frozen and prepacked (MKL / oneDNN tensors, which the
+    cache cannot store: Inductor compiles such graphs afresh in every process, 12 minutes for the
+    default verifier's four graphs on the 2-core EPYC)."""
     try:
         from torch._inductor import config
     except ImportError:
         return False
-    return bool(getattr(config, "fx_graph_cache", False))
+    return torch.device(device).type == "cuda" and bool(getattr(config, "fx_graph_cache", False))
 
 
 def cpu_name() -> str:
@@ -467,7 +470,8 @@ def resolve_compile(choice: str, model) -> tuple[bool, str]:
     """Whether the verify step is compiled, and why (for the stats): ``on`` / ``off`` as given;
     ``auto`` compiles on CUDA, and on a CPU only where this machine's measurement of this model
     (:func:`measure_compile`, stored) found the compiled pass faster and compiled artifacts are
-    cached across processes, so that a one-prompt run never pays a compilation it cannot win back."""
+    cached across processes (:func:`artifacts_cached`: not on a CPU today), so that no run pays a
+    compilation it may not win back."""
     check_compile(choice)
     if choice != "auto":
         return choice == "on", choice
@@ -476,8 +480,8 @@ def resolve_compile(choice: str, model) -> tuple[bool, str]:
         return True, "auto: CUDA"
     if device.type != "cpu":
         return False, f"auto: {device.type} is not compiled"
-    if not artifacts_cached():
-        return False, "auto: Inductor's cache is off"
+    if not artifacts_cached(device):
+        return False, "auto: compiled afresh in every process on a CPU (--compile on to pay its warm-up)"
     verdict = read_verdict(model)
     if verdict is None:
         return False, "auto: not measured on this machine (run once with --compile on)"
@@ -486,8 +490,8 @@ def resolve_compile(choice: str, model) -> tuple[bool, str]:
 
 def one_shot(choice: str, device) -> str:
     """``--compile`` for a run of one prompt (``specheads generate``): ``auto`` is ``off`` except
-    on CUDA, since on a CPU the compiled step's warm-up (about a minute for the default verifier
-    even with Inductor's cache warm) is never won back by one generation."""
+    on CUDA, since on a CPU the compiled step's warm-up (minutes for the default verifier) is
+    never won back by one generation."""
     return "off" if check_compile(choice) == "auto" and torch.device(device).type != "cuda" else choice
 
 
