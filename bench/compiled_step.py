@@ -22,9 +22,12 @@ import time
 from pathlib import Path
 
 
-def _texts(path: str, limit: int) -> list[str]:
-    lines = Path(path).read_text().splitlines()
-    return [json.loads(line)["prompt"] for line in lines[:: max(1, len(lines) // limit)][:limit]]
+def texts(path, limit: int) -> list[str]:
+    """``limit`` prompts spread evenly over the JSON lines at ``path`` (each its ``prompt``, or a
+    Spec-Bench question's first turn): the prompt picking every script here shares."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines[:: max(1, len(lines) // limit)][:limit]]
+    return [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows]
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +43,7 @@ def prompt_ids(tokenizer, args) -> list:
     """``--limit`` prompts spread over ``--prompts``, encoded (chat-templated)."""
     from infer.core.text import encode_prompt
 
-    return [encode_prompt(tokenizer, t) for t in _texts(args.prompts, args.limit)]
+    return [encode_prompt(tokenizer, t) for t in texts(args.prompts, args.limit)]
 
 
 def machine() -> dict:

@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
+from compiled_step import texts  # the shared prompt picking (python puts bench/ on the path)
+
 
 def main() -> int:
     from infer.core.engine import Engine
@@ -37,9 +39,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     lv = load_verifier("default")
-    lines = Path(args.prompts).read_text().splitlines()
-    texts = [json.loads(line)["prompt"] for line in lines[:: max(1, len(lines) // args.limit)][: args.limit]]
-    ids = [encode_prompt(lv.tokenizer, t) for t in texts]
+    ids = [encode_prompt(lv.tokenizer, t) for t in texts(args.prompts, args.limit)]
     eos = eos_ids(lv.model, lv.tokenizer)
     engines = {d: Engine(Verifier(lv.model), load_drafter(d, lv.model, tokenizer=lv.tokenizer), budget="auto")
                for d in ("none", f"model:{args.draft_model}")}

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from compiled_step import texts  # the shared prompt picking (python puts bench/ on the path)
+
 BATCH = """
 import json, statistics, sys, time
 from infer import Speculator
@@ -92,9 +94,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    lines = Path(args.prompts).read_text().splitlines()
-    rows = [json.loads(line) for line in lines[:: max(1, len(lines) // args.limit)][: args.limit]]
-    prompts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows]  # Spec-Bench: the first turn
+    prompts = texts(args.prompts, args.limit)  # Spec-Bench: each question's first turn
     result = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "trees": {k: str(v) for k, v in trees.items()}}
     parts = set(args.parts.split(","))
     for label, draft in (("draft_model", f"model:{Path(args.draft_model).resolve()}"), ("none_1_row", "none"),

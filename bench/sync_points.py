@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from compiled_step import texts  # the shared prompt picking (python puts bench/ on the path)
 
 from heads import HeadConfig, VerifierSpec, build_head, default_aux_layers
 from infer import stream
@@ -67,8 +68,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    lines = [json.loads(x) for x in (ROOT / "configs/prompts/unseen.jsonl").read_text().splitlines() if x.strip()]
-    texts = [x["prompt"] for x in lines[:: max(1, len(lines) // args.prompts)][: args.prompts]]
+    prompts_text = texts(ROOT / "configs/prompts/unseen.jsonl", args.prompts)
     if args.verifier == "tiny":
         lv = load_verifier("tiny-random:llama")
         model = lv.model
@@ -77,12 +77,12 @@ def main() -> None:
         makers = {"eagle3 (random)": lambda: EagleDrafter(head, model, spec),
                   "pld": lambda: PromptLookupDrafter(),
                   "eagle3+pld": lambda: UnionDrafter([EagleDrafter(head, model, spec), PromptLookupDrafter()])}
-        prompts = [encode_prompt(lv.tokenizer, t, chat=False) for t in texts]
+        prompts = [encode_prompt(lv.tokenizer, t, chat=False) for t in prompts_text]
     else:
         lv = load_verifier(args.verifier)
         model = lv.model
         makers = {d: (lambda d=d: load_drafter(d, model)) for d in args.drafts.split(",")}
-        prompts = [encode_prompt(lv.tokenizer, t) for t in texts]
+        prompts = [encode_prompt(lv.tokenizer, t) for t in prompts_text]
     eos = eos_ids(model, lv.tokenizer)
     rows = []
     print("| verifier | draft | mode | steps | sync points / step (mean) | max | by kind (all steps) |")
