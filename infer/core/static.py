@@ -20,8 +20,9 @@ each time. A compiled graph (Inductor on a CPU, CUDA graphs on a GPU) needs the 
 
 :func:`compile_step` compiles the step with ``torch.compile`` (dynamic sizes, so that the few
 buckets share a handful of graphs: sizes 1 and above 1 of rows and nodes are told apart, nothing
-else, the varying sizes marked dynamic on the buffers); on a CPU with Inductor's freezing (weights folded in as constants, linears prepacked for
-oneDNN), on CUDA with ``mode="reduce-overhead"`` (CUDA graphs; the buffers are then marked as
+else, the varying sizes marked dynamic on the buffers); on a CPU with Inductor's freezing (weights
+folded in as constants, linears prepacked for MKL or oneDNN; graphs that Inductor's cache cannot
+keep, so ``--compile auto`` stays eager there), on CUDA with ``mode="reduce-overhead"`` (CUDA graphs; the buffers are then marked as
 static addresses and the outputs copied out, since a replay reuses them). Prefill stays eager (a
 prompt's length is its own): its cache is copied into the slots once.
 """
