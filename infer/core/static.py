@@ -489,13 +489,6 @@ def resolve_compile(choice: str, model) -> tuple[bool, str]:
     return bool(verdict["faster"]), f"auto: measured {verdict['speedup']:.2f}x"
 
 
-def one_shot(choice: str, device) -> str:
-    """``--compile`` for a run of one prompt (``specheads generate``): ``auto`` is ``off`` except
-    on CUDA, since on a CPU the compiled step's warm-up (minutes for the default verifier) is
-    never won back by one generation."""
-    return "off" if check_compile(choice) == "auto" and torch.device(device).type != "cuda" else choice
-
-
 def measure_compile(verifier: StaticVerifier, nodes=(1, 8), prefix_len: int = 256, repeats: int = 5) -> dict:
     """The compiled step against the same static step run eagerly, on one row after a
     ``prefix_len`` prefix, median seconds per pass of ``nodes`` nodes, the two in turn:

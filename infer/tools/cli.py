@@ -209,7 +209,6 @@ def bench_kernels(text: str) -> list[str]:
 
 def cmd_generate(args) -> int:
     from ..core.engine import Engine
-    from ..core.static import one_shot
     from ..core.text import StreamDecoder, encode_prompt, eos_ids
 
     params = _params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -221,9 +220,8 @@ def cmd_generate(args) -> int:
     check_drafts(args.draft, trees=[tree])
     lv = verifier_for(args, "generate needs text (random shapes without one: use bench or cost)",
                _fits_context([args.prompt], args.chat, args.max_new_tokens, lambda i: "the prompt"))
-    drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer, one_shot=True)
-    engine = Engine(_verifier(args, lv.model), drafter, budget=args.tree_budget,
-                    compile=one_shot(args.compile, lv.model.device))
+    drafter = drafter_for(args, args.draft, lv.model, tree, tokenizer=lv.tokenizer)
+    engine = Engine(_verifier(args, lv.model), drafter, budget=args.tree_budget, compile=args.compile)
     ids = encode_prompt(lv.tokenizer, args.prompt, chat=args.chat)
     if args.compare:  # warm both paths up so that the timings compare steady states
         import torch

@@ -39,14 +39,12 @@ def check_drafts(*specs: str, trees=None) -> None:
         check_tree(spec, tree)
 
 
-def drafter_for(args, draft: str, model, tree, tokenizer=None, *, one_shot: bool = False):
+def drafter_for(args, draft: str, model, tree, tokenizer=None):
     """The drafter ``draft`` names (a ``--draft`` spec) for verifier ``model``, with the command's
-    ``--draft-dtype`` and ``--compile`` (``--tree-budget`` is the engine's ``budget``); ``one_shot``:
-    a one-prompt command, where ``--compile auto`` stays eager on a CPU (:func:`~infer.core.static.one_shot`)."""
-    from ..core import static
+    ``--draft-dtype`` and ``--compile`` (``--tree-budget`` is the engine's ``budget``)."""
+    from ..core.static import resolve_compile
     from ..drafting.loading import load_drafter
 
-    choice = static.one_shot(args.compile, model.device) if one_shot else args.compile
     return load_drafter(draft, model, tree=tree, draft_dtype=args.draft_dtype, tokenizer=tokenizer,
-                        compile=static.resolve_compile(choice, model)[0])
+                        compile=resolve_compile(args.compile, model)[0])
 
