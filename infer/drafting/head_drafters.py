@@ -15,6 +15,7 @@ the engine's to decide (:mod:`infer.core.schedule`); a step it keeps plain costs
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from heads.modules import DraftHead
 from ..core.drafter import Budget, Draft, Drafter, RowDrafter, root_only
 from ..core.errors import UserError
 from ..core.kernels import median_seconds
+from ..core.static import compile_step
 from ..core.tree import DynamicTree, DynamicTreeSpec, StaticTreeSpec, build_tree, grow_dynamic_tree, load_tree_spec
 from ..core.verifier import ReservedCache, crop_cache
 
@@ -36,56 +38,97 @@ def _verifier_place(verifier_model) -> tuple[torch.device, torch.dtype]:
     return w.device, w.dtype
 
 
-class MedusaDrafter(RowDrafter):
-    """Fills a static tree: the node reached by sibling ranks ``(r1, ..., rd)`` gets head
-    ``d - 1``'s ``rd``-th most likely token. Deterministic (``q`` is one-hot)."""
+class MedusaDrafter(Drafter):
+    """Fills a static tree for every drafting row of a step at once: the node reached by sibling
+    ranks ``(r1, ..., rd)`` gets head ``d - 1``'s ``rd``-th most likely token at the row's newest
+    verifier feature. Deterministic (no ``q``); nothing is read from the device. A row's budget
+    keeps the tree's first nodes (they are ordered by depth): those within its depth, at most its
+    node count.
 
-    def __init__(self, head: MedusaHeads, verifier_model, tree: StaticTreeSpec | None = None):
+    ``compile``: ``False`` (eagerly), ``True`` (Inductor on a CPU, CUDA graphs on CUDA) or a
+    ``torch.compile`` backend (tests): the heads' pass and the tree's fill as one graph for one
+    row and one for every row count above (:meth:`fill`)."""
+
+    def __init__(self, head: MedusaHeads, verifier_model, tree: StaticTreeSpec | None = None, *, compile=False):
         self.device, self.dtype = _verifier_place(verifier_model)
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
         self.lm_head = None if head.lm_heads is not None else verifier_model.get_output_embeddings()
         self.feature_layers = (-1,)
         self.tree = tree or load_tree_spec("medusa-16")
-        self._feat: torch.Tensor | None = None
-        self._trees: dict = {}
+        if not isinstance(self.tree, StaticTreeSpec):
+            raise UserError("Medusa heads fill a static tree: pass a static tree (e.g. medusa-16 or chain:4)")
+        self.depth = min(self.tree.depth, head.config.num_heads)
+        nodes, parents = self.tree.ordered()
+        nodes = [c for c in nodes if len(c) <= self.depth]  # a deeper node has no head to fill it
+        self.parents = parents[: len(nodes)]
+        self.within = [sum(1 for c in nodes if len(c) <= d) for d in range(self.depth + 1)]  # nodes up to depth d
+        self.head_of = torch.tensor([len(c) - 1 for c in nodes[1:]], device=self.device)  # [N - 1]
+        self.rank_of = torch.tensor([c[-1] for c in nodes[1:]], device=self.device)  # [N - 1]
+        self.top = max(c[-1] for c in nodes[1:]) + 1
+        self._trees: dict[int, object] = {}
+        self.feats: dict[int, torch.Tensor] = {}  # row -> its newest feature [h]
+        self.compiled, self.warmup_s = bool(compile), 0.0
+        self._fill = self.fill
+        if compile:
+            self._fill = compile_step(self.fill, self.device, "inductor" if compile is True else compile)
+            self.warm_up()
 
-    def spawn(self) -> MedusaDrafter:
-        """A drafter for another concurrent generation: the same heads, its own last feature."""
-        new = copy.copy(self)
-        new._feat = None
-        return new
+    def begin(self, rows) -> None:
+        for r in rows:
+            self.feats[r.slot] = r.features[-1, 0]
 
-    def begin_row(self, prompt_ids, features, params=None) -> None:
-        self._feat = features[-1, 0]
+    def update(self, accepted) -> None:
+        for a in accepted:
+            self.feats[a.slot] = a.features[-1, 0]
 
-    def update_row(self, tokens, features) -> None:
-        self._feat = features[-1, 0]
+    def end(self, slots) -> None:
+        for s in slots:
+            self.feats.pop(s, None)
 
-    def _shape(self, spec: StaticTreeSpec, depth: int):
-        key = (spec, depth)
-        if key not in self._trees:
-            nodes, parents = spec.ordered()
-            n = sum(1 for c in nodes if len(c) <= depth)  # nodes are sorted by depth
-            ranks = [c[-1] for c in nodes[1:n]]
-            heads_ = [len(c) - 1 for c in nodes[1:n]]
-            dev = self.device
-            self._trees[key] = (build_tree(parents[:n], device=dev), torch.tensor(heads_, device=dev),
-                                torch.tensor(ranks, device=dev), max(ranks, default=0) + 1)
-        return self._trees[key]
+    def fill(self, feats: torch.Tensor, roots: torch.Tensor, head_of: torch.Tensor, rank_of: torch.Tensor) -> torch.Tensor:
+        """Every row's full tree: ``feats [R, h]`` (each row's newest feature), ``roots [R]``,
+        the nodes' head ``head_of [N - 1]`` and sibling rank ``rank_of [N - 1]`` -> the nodes'
+        tokens ``[R, N]`` (the root first)."""
+        top = self.head(feats, self.lm_head)[: self.depth].topk(self.top, dim=-1).indices  # [D, R, top]
+        return torch.cat([roots[:, None], top[head_of, :, rank_of].T], dim=1)
+
+    def warm_up(self, rows=(1, 2)) -> float:
+        """Run (and so compile) :meth:`fill` for ``rows`` rows; the seconds it took."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for r in rows:
+                feats = torch.zeros(r, self.head.config.verifier.hidden_size, dtype=self.dtype, device=self.device)
+                self._call(feats, torch.zeros(r, dtype=torch.long, device=self.device))
+        self.warmup_s += time.perf_counter() - t0
+        return self.warmup_s
+
+    def _call(self, feats: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+        if feats.shape[0] > 1:  # one graph for every row count above 1
+            for t in (feats, roots):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self._fill(feats, roots, self.head_of, self.rank_of)
+
+    def _size(self, budget: Budget) -> int:
+        """How many of the tree's nodes a row drafts within ``budget`` (1: the root alone)."""
+        n = self.within[max(0, min(budget.depth, self.depth))]
+        return max(1, min(n, budget.nodes or n))
+
+    def _shape(self, n: int):
+        if n not in self._trees:  # made once per size, copied to the device then, not during a step
+            self._trees[n] = build_tree(self.parents[:n], device=self.device)
+        return self._trees[n]
 
     @torch.inference_mode()
-    def propose_row(self, root: int, budget: Budget, generator=None) -> Draft:
-        spec = self.tree
-        if not isinstance(spec, StaticTreeSpec):
-            raise UserError("Medusa heads fill a static tree: pass a static tree (e.g. medusa-16 or chain:4)")
-        depth = min(budget.depth, spec.depth, self.head.config.num_heads)
-        if depth <= 0:
-            return root_only(root, self.device)
-        shape, head_idx, ranks, top = self._shape(spec, depth)
-        logits = self.head(self._feat, self.lm_head)  # [K, V]
-        topk = logits[:depth].topk(top, dim=-1).indices  # [depth, top]
-        root_t = torch.full((1,), root, dtype=torch.long, device=self.device)
-        return Draft(torch.cat([root_t, topk[head_idx, ranks]]), shape)
+    def propose(self, requests) -> list[Draft]:
+        sizes = [self._size(q.budget) for q in requests]
+        drafting = [q for q, n in zip(requests, sizes) if n > 1]
+        if not drafting:
+            return [root_only(q.root, self.device) for q in requests]
+        feats = torch.stack([self.feats[q.slot] for q in drafting])  # [R, h]
+        roots = torch.tensor([q.root for q in drafting]).to(self.device, non_blocking=True)
+        out = iter(self._call(feats, roots))  # [R, N]
+        return [Draft(next(out)[:n], self._shape(n)) if n > 1 else root_only(q.root, self.device)
+                for q, n in zip(requests, sizes)]
 
 
 @dataclass
@@ -349,7 +392,7 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, *, dtype: st
 
         PeftModel.from_pretrained(verifier_model, str(adapter)).merge_and_unload()
     if isinstance(head, MedusaHeads):
-        return MedusaDrafter(head, verifier_model, tree)
+        return MedusaDrafter(head, verifier_model, tree, compile=compile)
     if head.config.head_type == "dflash":
         from .block_drafter import BlockDrafter
 
