@@ -1,6 +1,7 @@
 """Drafts that never cost: the cost curve learned from the engine's own timings, calibration of a
 head's confidences against what is accepted, and the pause when drafting does not pay."""
 
+import pytest
 import torch
 
 from conftest import hf_greedy
@@ -9,7 +10,7 @@ from infer.core.drafter import RowDrafter, host_draft
 from infer.core.engine import Engine
 from infer.core.models import tiny_random_model
 from infer.core.params import SamplingParams
-from infer.core.schedule import Backoff, Gate, OnlineCost, Schedule, VerifyCost
+from infer.core.schedule import Backoff, DraftCost, DraftSeconds, Gate, OnlineCost, Price, Schedule, VerifyCost
 from infer.core.tree import DynamicTreeSpec, build_tree, grow_dynamic_tree
 from infer.drafting.head_drafters import Calibration, EagleDrafter
 
@@ -252,3 +253,78 @@ def test_an_expensive_drafter_that_is_not_accepted_probes_seldom(monkeypatch):
     list(engine.run())
     assert engine.schedule.refusal.skip == 0  # never refused: a draft that is accepted would pay
     assert len(drafter.proposed) <= 9, drafter.proposed  # three to measure, then a few probes in 300 steps
+
+
+def test_a_drafters_fixed_cost_is_priced_once_per_draft_not_per_node():
+    """Drafting steps of unlike sizes, each 20 ms plus 1 ms per node (one outlier): the fit
+    charges the 20 ms once per draft, so a 16-node tree is priced at 0.35 plain steps of drafting
+    (100 ms each), not at 15 times the average per node of small ones; where every step drafted
+    alike (the one-node drafts that measure a drafter first), every second counts per node."""
+    cost = DraftCost()
+    for n in (1, 1, 4, 8, 15, 2, 15, 3):
+        cost.observe(n, 0.020 + 0.001 * n)
+    cost.observe(2, 0.5)  # a pause of the machine's
+    fit = cost.seconds
+    assert fit.fixed == pytest.approx(0.020) and fit.per_node == pytest.approx(0.001)
+    price = Price(VerifyCost((1, 16), (1.0, 1.0)), fit.per_node / 0.1, fit.fixed / 0.1)
+    assert price(1) == 1.0 and price(16) == pytest.approx(1.0 + 0.2 + 0.15)
+    alike = DraftCost()
+    for _ in range(3):
+        alike.observe(1, 0.021)
+    assert alike.seconds == DraftSeconds(0.0, 0.021)
+
+
+class PaysForNothing(RowDrafter):
+    """A head that spends ``seconds`` of a fake clock on every proposal and then finds that no
+    tree pays: it proposes the root alone."""
+
+    def __init__(self, clock, seconds, proposed=None):
+        self.clock, self.seconds, self.proposed = clock, seconds, [] if proposed is None else proposed
+
+    def spawn(self):
+        return PaysForNothing(self.clock, self.seconds, self.proposed)
+
+    def propose_row(self, root, budget, generator=None):
+        self.proposed.append(budget.depth)
+        self.clock[0] += self.seconds
+        return host_draft([root], [-1])
+
+
+def test_a_drafter_that_pays_to_propose_nothing_is_paused(monkeypatch):
+    """A proposal that costs 30% of a plain step and drafts nothing is judged at that cost: the
+    row's gate pauses the drafter (a few proposals in 150 steps, not one per step)."""
+    import infer.core.engine as engine_module
+
+    model = tiny_random_model("llama", vocab_size=256, seed=1)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    spt, clock = 0.05, [0.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    drafter = PaysForNothing(clock, 0.3 * spt)
+    engine = Engine(model, drafter, budget=Clocked(VerifyCost((1, 2, 4, 8), (1.0, 1.05, 1.15, 1.4)), spt))
+    engine.add(ids, SamplingParams(max_new_tokens=150))
+    list(engine.run())
+    assert len(drafter.proposed) <= 15, len(drafter.proposed)
+
+
+def test_a_union_pauses_the_member_whose_drafts_the_other_outdraws(monkeypatch):
+    """A union of an oracle (free, always right) and a costly head that is always wrong (a fake
+    clock): the row's draft pays, thanks to the oracle, so the row's gate keeps drafting, but the
+    head's own gate in the union pauses it; the output is the verifier's."""
+    import infer.core.engine as engine_module
+    import infer.drafting.union as union_module
+    from infer.drafting.union import UnionDrafter
+    from infer.testing import OracleDrafter
+
+    model = tiny_random_model("llama", vocab_size=256, seed=1)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    ref = hf_greedy(model, ids, 120)
+    spt, clock = 0.05, [0.0]
+    for module in (engine_module, union_module):
+        monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    head = CostlyChain(clock, 0.2 * spt)
+    union = UnionDrafter([OracleDrafter(ref, ids.numel()), head])
+    engine = Engine(model, union, budget=Clocked(VerifyCost((1, 2, 4, 8), (1.0, 1.05, 1.15, 1.4)), spt))
+    engine.add(ids, SamplingParams(max_new_tokens=120))
+    out = [t for chunk in engine.run() for t in chunk.token_ids]
+    assert out == ref
+    assert len(head.proposed) <= 10, len(head.proposed)

@@ -21,6 +21,8 @@ from functools import lru_cache
 
 import torch
 
+from .tree import MAX_TREE_DEPTH
+
 
 @dataclass(frozen=True)
 class VerifyCost:
@@ -483,10 +485,45 @@ class Gate:
         return Gate(self.ema, Backoff(1, 64, pause=pause, skip=pause))
 
 
+def draft_gain(verify, nodes: int, accepted: int, draft_s: float, *, free: float = 0.01) -> float | None:
+    """A drafted step's gain for a :class:`Gate`: the ``1 + accepted`` tokens a ``nodes``-node
+    draft emitted over its cost in plain steps, the verify pass over its nodes (``verify``, a
+    curve with ``seconds_per_token``) plus its drafting seconds ``draft_s``. None where there is
+    nothing to judge: no curve timed yet, or a root-only draft that cost under ``free`` of a plain
+    step (a prompt lookup that found nothing); a root-only draft that cost more (a head that
+    pays a pass, then finds that no tree pays) is judged at its drafting cost."""
+    spt = getattr(verify, "seconds_per_token", None)
+    if not spt:
+        return None
+    drafting = draft_s / spt
+    if nodes <= 1 and drafting < free:
+        return None
+    return (1.0 + accepted) / (float(verify(max(nodes, 1))) + drafting)
+
+
+@dataclass(frozen=True)
+class DraftSeconds:
+    """A proposal's drafting time: ``fixed`` seconds whenever a row drafts at all (catching the
+    drafter up, a head pass that does not grow with the tree) and ``per_node`` seconds per drafted
+    node beyond the root."""
+
+    fixed: float
+    per_node: float
+
+    def __call__(self, nodes: int) -> float:
+        return self.fixed + self.per_node * nodes if nodes > 0 else 0.0
+
+
 class DraftCost:
-    """The drafter's own cost: seconds of drafting per drafted node (root excluded), as the engine
-    times its proposals (not a row's first, which also feeds the drafter its prompt); the median
-    of the last ``window`` drafting steps, known after ``min_samples`` of them."""
+    """The drafter's own cost as the engine times its proposals (not a row's first, which also
+    feeds the drafter its prompt), from the last ``window`` drafting steps, known after
+    ``min_samples`` of them: ``fixed + per_node * nodes`` (:class:`DraftSeconds`) fitted robustly
+    (Theil-Sen: the median of the slopes between steps of unlike sizes, the median intercept)
+    where the steps drafted unlike numbers of nodes; where they all drafted alike (the cautious
+    one-node drafts that measure a drafter first), every second is counted per node, which never
+    underprices a large draft. Counting an average per node instead overprices the large trees of
+    a drafter with a fixed cost (an EAGLE head's catch-up, a Medusa pass), so that it drafts
+    smaller trees, whose average per node is higher still."""
 
     def __init__(self, *, window: int = 15, min_samples: int = 2):
         self.window, self.min_samples = window, min_samples
@@ -496,34 +533,55 @@ class DraftCost:
         """A proposal drafted ``nodes`` nodes beyond its roots in ``seconds`` (none: its fixed
         cost counted as one node's)."""
         if seconds > 0:
-            self._samples.append(seconds / max(nodes, 1))
+            self._samples.append((max(nodes, 1), seconds))
+
+    @property
+    def seconds(self) -> DraftSeconds | None:
+        """The fitted cost (see the class docstring), or None before ``min_samples`` steps."""
+        if len(self._samples) < self.min_samples:
+            return None
+        return fit_draft_seconds(list(self._samples))
 
     @property
     def seconds_per_node(self) -> float | None:
+        """The average seconds per drafted node (for the records), or None before it is known."""
         if len(self._samples) < self.min_samples:
             return None
-        return statistics.median(self._samples)
+        return statistics.median(s / n for n, s in self._samples)
+
+
+def fit_draft_seconds(samples: list[tuple[int, float]]) -> DraftSeconds:
+    """``samples`` ``(nodes, seconds)`` -> :class:`DraftSeconds` (see :class:`DraftCost`); the
+    slope is at least 0 and at most the largest average per node, the intercept at least 0."""
+    slopes = [(s2 - s1) / (n2 - n1) for i, (n1, s1) in enumerate(samples) for n2, s2 in samples[i + 1:] if n2 != n1]
+    if not slopes:
+        return DraftSeconds(0.0, statistics.median(s / n for n, s in samples))
+    per_node = min(max(statistics.median(slopes), 0.0), max(s / n for n, s in samples))
+    return DraftSeconds(max(statistics.median(s - per_node * n for n, s in samples), 0.0), per_node)
 
 
 @dataclass(frozen=True)
 class Price:
     """What a draft of ``n`` nodes costs one row, in its plain steps: the verify pass over ``n``
-    nodes (``verify``, a curve such as :class:`BatchCost`) plus drafting ``n - 1`` nodes at
-    ``draft`` plain steps each. Drafters size their trees by it (:class:`~infer.core.drafter.Budget`)."""
+    nodes (``verify``, a curve such as :class:`BatchCost`) plus, where it drafts at all
+    (``n > 1``), ``fixed`` plain steps and ``draft`` plain steps per node beyond the root. Drafters
+    size their trees by it (:class:`~infer.core.drafter.Budget`)."""
 
     verify: object
     draft: float = 0.0
+    fixed: float = 0.0
 
     def __call__(self, n: int) -> float:
-        return float(self.verify(n)) + self.draft * max(n - 1, 0)
+        return float(self.verify(n)) + (self.fixed + self.draft * (n - 1) if n > 1 else 0.0)
 
     def pays(self, depth: int, margin: float = 0.05) -> bool:
         """Whether any draft of at most ``depth`` levels could pay: a chain of ``d`` tokens, all
         accepted, emits ``d + 1`` tokens for ``self(d + 1)`` plain steps, more than ``1 + margin``
         tokens per plain step. The margin: a drafter whose best case gains under 5% (a draft model
         as costly as the verifier measures a hair under a plain step per token) loses more than
-        that on what the price leaves out (feeding it a new row's prompt, a rejected token)."""
-        return any((d + 1) / self(d + 1) > 1.0 + margin for d in range(1, depth + 1))
+        that on what the price leaves out (feeding it a new row's prompt, a rejected token). No
+        tree is deeper than :data:`~infer.core.tree.MAX_TREE_DEPTH`, so no deeper chain is priced."""
+        return any((d + 1) / self(d + 1) > 1.0 + margin for d in range(1, min(depth, MAX_TREE_DEPTH) + 1))
 
 
 
@@ -615,7 +673,7 @@ class Schedule:
         if sampled:
             self._sampled_gate = gate
 
-    def quiet_steps(self, rows: int, depth: int = 64) -> int:
+    def quiet_steps(self, rows: int, depth: int = MAX_TREE_DEPTH) -> int:
         """Coming steps of ``rows`` rows that are plain whatever happens: the policy's
         (:meth:`SpecPolicy.quiet_steps`), the refusal's pause while it runs, and the pause a
         refusal would start where the drafter's measured cost makes every draft of up to ``depth``
@@ -625,7 +683,7 @@ class Schedule:
         if not self.timed or self.measuring:
             return quiet
         price = self.price(rows)
-        refused = price is not None and not price.pays(min(depth, 64))
+        refused = price is not None and not price.pays(depth)
         return max(quiet, self.refusal.skip, self.refusal.pause if refused else 0)
 
     def _view_of(self, rows: int, alone: bool):
@@ -635,9 +693,11 @@ class Schedule:
         """What a draft costs one row of ``rows`` (``alone``: the only one drafting), its drafting
         rounded to a hundredth of a plain step; None before the drafter's own cost is measured."""
         view = self._view_of(rows, alone)
-        spn, spt = self.draft.seconds_per_node, getattr(view, "seconds_per_token", None)
+        drafting, spt = self.draft.seconds, getattr(view, "seconds_per_token", None)
+        if drafting is None or not spt:
+            return None
         # to a hundredth of a plain step: a price that stays the same keeps the drafters' cost tables
-        return Price(view, round(spn / spt, 2)) if spn is not None and spt else None
+        return Price(view, round(drafting.per_node / spt, 2), round(drafting.fixed / spt, 2))
 
     def plan(self, rows: list[RowView]) -> list:
         """Each row's budget this step (None: it decodes plainly)."""
@@ -682,20 +742,24 @@ class Schedule:
 
     def judge(self, gate: Gate, nodes: int, accepted: int, draft_s: float) -> None:
         """A row's drafted step: ``accepted`` of its ``nodes``-node draft, drafted in its share
-        ``draft_s`` of the proposal (a root-only draft is not judged: it cost no verify time).
+        ``draft_s`` of the proposal (:func:`draft_gain`: a root-only draft is judged by what
+        proposing it cost, so that a drafter that pays to propose nothing is paused too).
         A probe (the first draft after a pause) that does not pay pauses the row at least until
         what it lost is ``probe_share`` of the plain steps in between, as the batch's probes do:
         an expensive drafter (a draft model) then probes seldom."""
-        if not self.timed or nodes <= 1 or self._view is None:
+        gain = draft_gain(self._view, nodes, accepted, draft_s) if self.timed else None
+        if gain is None:
             return
-        cost = float(self._view(nodes)) + draft_s / self._view.seconds_per_token  # in plain steps of this row
+        cost = (1.0 + accepted) / gain
         probe = gate.backoff.pause > gate.backoff.first
-        gate.record((1.0 + accepted) / cost)
+        gate.record(gain)
         if probe and gate.backoff.skip:
             gate.backoff.hold(min(math.ceil((cost - 1.0 - accepted) / self.probe_share), 1 << 20))
 
     def state(self) -> dict:
         """What was learnt, for benchmark records."""
-        spn = self.draft.seconds_per_node
+        spn, fitted = self.draft.seconds_per_node, self.draft.seconds
         return {"cost": cost_summary(self.cost), "draft_ms_per_node": round(1e3 * spn, 3) if spn else None,
+                "draft_ms": None if fitted is None else {"fixed": round(1e3 * fitted.fixed, 3),
+                                                        "per_node": round(1e3 * fitted.per_node, 3)},
                 "refusal_pause": self.refusal.skip, "batch": self.policy.state()}
