@@ -328,3 +328,52 @@ def test_a_union_pauses_the_member_whose_drafts_the_other_outdraws(monkeypatch):
     out = [t for chunk in engine.run() for t in chunk.token_ids]
     assert out == ref
     assert len(head.proposed) <= 10, len(head.proposed)
+
+
+class CostlyOracle(CostlyChain):
+    """A chain drafter that is always right (it knows the verifier's greedy continuation ``ref``
+    of a prompt of ``prompt_len`` tokens), at ``per_token`` seconds of a fake clock per token."""
+
+    def __init__(self, clock, per_token, ref, prompt_len):
+        super().__init__(clock, per_token)
+        self.ref, self.prompt_len = ref, prompt_len
+
+    def spawn(self):
+        new = CostlyOracle(self.clock, self.per_token, self.ref, self.prompt_len)
+        new.proposed = self.proposed
+        return new
+
+    def begin_row(self, prompt_ids, features=None, params=None):
+        self.done = prompt_ids.numel() - self.prompt_len  # tokens of ``ref`` committed
+
+    def update_row(self, tokens, features=None):
+        self.done += tokens.numel()
+
+    def propose_row(self, root, budget, generator=None):
+        draft = super().propose_row(root, budget, generator)
+        depth = len(draft.host[0]) - 1
+        return host_draft([root] + self.ref[self.done + 1 : self.done + 1 + depth], list(range(-1, depth)))
+
+
+def test_a_generation_too_short_to_draft_does_not_refuse_the_next(monkeypatch):
+    """Where a two-node pass costs nearly two plain steps (an eager one-row verifier on a CPU), a
+    one-token draft cannot pay but a deeper one can: a generation of 3 tokens (a warm-up) drafts
+    nothing, and the next, long one drafts deep (the refusal, hundreds of steps, is for a drafter
+    whose every draft loses, not for a row near its end)."""
+    import infer.core.engine as engine_module
+
+    model = tiny_random_model("llama", vocab_size=256, seed=1)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    ref = hf_greedy(model, ids, 80)
+    spt, clock = 0.05, [0.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    drafter = CostlyOracle(clock, 0.01 * spt, ref, ids.numel())
+    engine = Engine(model, drafter, budget=Clocked(VerifyCost((1, 2, 4, 8), (1.0, 1.95, 2.0, 2.1)), spt))
+    for n in (40, 3):
+        engine.add(ids, SamplingParams(max_new_tokens=n))
+        list(engine.run())
+    before = len(drafter.proposed)
+    engine.add(ids, SamplingParams(max_new_tokens=40))
+    out = [t for chunk in engine.run() for t in chunk.token_ids]
+    assert out == ref[:40]
+    assert engine.schedule.refusal.skip == 0 and max(drafter.proposed[before:], default=0) > 1, drafter.proposed[before:]

@@ -718,9 +718,10 @@ class Schedule:
             return [None] * n
         self._view = self._view_of(n, plan == ONE)
         price, depth = self.price(n, plan == ONE), max(r.depth for r, c in zip(rows, chosen) if c)
-        if price is not None and not price.pays(depth):  # the drafter's own cost makes every draft a loss
-            self.refusal.failed()  # priced again after the pause, by the cost measured (a drafter's own cost is steady)
-            return [None] * n
+        if price is not None and not price.pays(depth):  # no draft the rows have room for pays
+            if not price.pays(MAX_TREE_DEPTH):  # nor would any: the drafter's own cost makes every draft a loss,
+                self.refusal.failed()  # priced again after the pause (a drafter's own cost is steady)
+            return [None] * n  # (rows near their end: this step only, not the next generation's)
         budgets = []
         for r, c in zip(rows, chosen):
             if not c or (self.timed and not r.gate.should_draft()):
