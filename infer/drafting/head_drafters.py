@@ -377,8 +377,9 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, *, dtype: st
     model is the verifier from then on (greedy output is identical to *its* greedy output). No
     other head changes the verifier: an undeclared ``adapter/`` is refused before anything is
     merged (:func:`heads.io.verifier_adapter`). ``dtype``: what an EAGLE head computes in
-    (:func:`draft_dtype`); ``compile``: an EAGLE head drafts through the compiled batched loop
-    (:class:`~infer.drafting.eagle_batch.BatchEagleDrafter`) where true."""
+    (:func:`draft_dtype`); ``compile``: a head drafts every row of a step in one compiled computation
+    where true (EAGLE: :class:`~infer.drafting.eagle_batch.BatchEagleDrafter`; the block drafter:
+    :class:`~infer.drafting.block_batch.BatchBlockDrafter`; Medusa: :class:`MedusaDrafter`)."""
     from heads import CheckpointError, HeadMismatchError
     from heads.io import resolve, verifier_adapter
 
@@ -393,6 +394,11 @@ def load_head_drafter(path_or_repo: str, verifier_model, tree=None, *, dtype: st
         PeftModel.from_pretrained(verifier_model, str(adapter)).merge_and_unload()
     if isinstance(head, MedusaHeads):
         return MedusaDrafter(head, verifier_model, tree, compile=compile)
+    if head.config.head_type == "dflash" and compile:
+        from .block_batch import BatchBlockDrafter
+
+        return BatchBlockDrafter(head, verifier_model, tree if isinstance(tree, DynamicTreeSpec) else None,
+                                 dtype=draft_dtype(verifier_model, dtype), compile=compile)
     if head.config.head_type == "dflash":
         from .block_drafter import BlockDrafter
 

@@ -128,9 +128,10 @@ def load_drafter(spec: str, model, *, tree: TreeSpec | None = None, draft_dtype=
     (prompt lookup grows any). ``draft_dtype``: what EAGLE heads compute in
     (:func:`~infer.drafting.head_drafters.draft_dtype`). A head trained for another verifier is
     refused, and so is a draft model (``model:PATH``) whose vocabulary differs from the
-    verifier's (``tokenizer``: the verifier's, to compare tokens too). ``compile``: EAGLE heads
-    draft all rows in one compiled loop (:class:`~infer.drafting.eagle_batch.BatchEagleDrafter`;
-    ``True``, or a ``torch.compile`` backend) instead of eagerly row by row (``False``)."""
+    verifier's (``tokenizer``: the verifier's, to compare tokens too). ``compile``: a head drafts
+    all rows of a step in one compiled computation (EAGLE, Medusa, the block drafter:
+    :func:`~infer.drafting.head_drafters.load_head_drafter`; ``True``, or a ``torch.compile``
+    backend) instead of eagerly (``False``)."""
     parts = draft_parts(spec, model)
     if parts == ["none"]:
         return NoDrafter()
