@@ -510,9 +510,6 @@ class DraftSeconds:
     fixed: float
     per_node: float
 
-    def __call__(self, nodes: int) -> float:
-        return self.fixed + self.per_node * nodes if nodes > 0 else 0.0
-
 
 class DraftCost:
     """The drafter's own cost as the engine times its proposals (not a row's first, which also
