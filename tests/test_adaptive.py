@@ -377,3 +377,21 @@ def test_a_generation_too_short_to_draft_does_not_refuse_the_next(monkeypatch):
     out = [t for chunk in engine.run() for t in chunk.token_ids]
     assert out == ref[:40]
     assert engine.schedule.refusal.skip == 0 and max(drafter.proposed[before:], default=0) > 1, drafter.proposed[before:]
+
+
+def test_a_cheap_drafters_lost_probe_is_bounded_by_the_doubling_pause_alone():
+    """Where a two-node pass costs 1.9 plain steps, a head's lost probe (drafting: 5% of a plain
+    step) pauses its row for the gate's doubled pause only, not until the 0.9 steps it lost are 2%
+    of the steps in between (45); a draft model's lost probe (drafting: 2 plain steps) is held."""
+    for draft_steps, held in ((0.05, False), (2.0, True)):
+        schedule = Schedule(Clocked(VerifyCost((1, 2, 4, 8), (1.0, 1.9, 2.0, 2.1)), 0.05))
+        schedule._view = schedule.cost
+        gate = Gate()
+        for _ in range(4):  # lost drafts: the gate pauses, then every probe after a pause loses too
+            while gate.backoff.skip:
+                gate.should_draft()
+            schedule.judge(gate, 2, 0, draft_steps * 0.05)
+        if held:
+            assert gate.backoff.skip >= (1.9 + draft_steps - 1.0) / 0.02, gate.backoff
+        else:  # three lost probes after the first loss: pauses of 1, 2, 4, then 8
+            assert gate.backoff.skip <= 8, gate.backoff

@@ -641,7 +641,7 @@ class Schedule:
     starts at ``refusal_pause`` steps and doubles, and then the price is weighed again with the
     cost measured (it is steady: measuring it again would mean feeding a draft model the whole
     context it missed). A row whose probe loses waits until the loss is ``probe_share`` of the
-    plain steps in between."""
+    plain steps in between where drafting the probe took a plain step or more (:meth:`judge`)."""
 
     def __init__(self, cost=None, policy=None, *, refusal_pause: int = 256, max_refusal_pause: int = 8192,
                  probe_share: float = 0.02):
@@ -742,16 +742,19 @@ class Schedule:
         """A row's drafted step: ``accepted`` of its ``nodes``-node draft, drafted in its share
         ``draft_s`` of the proposal (:func:`draft_gain`: a root-only draft is judged by what
         proposing it cost, so that a drafter that pays to propose nothing is paused too).
-        A probe (the first draft after a pause) that does not pay pauses the row at least until
-        what it lost is ``probe_share`` of the plain steps in between, as the batch's probes do:
-        an expensive drafter (a draft model) then probes seldom."""
+        Where drafting it took a plain step or more (a draft model), a probe (the first draft after
+        a pause) that does not pay pauses the row at least until what it lost is ``probe_share``
+        of the plain steps in between, as the batch's probes do, so that such a drafter probes
+        seldom; a cheaper drafter's lost probe costs less than a plain step, and the gate's
+        doubling pause (at most 64 steps) bounds it (holding a head's row for dozens of steps
+        after one lost probe missed the stretches where it pays)."""
         gain = draft_gain(self._view, nodes, accepted, draft_s) if self.timed else None
         if gain is None:
             return
         cost = (1.0 + accepted) / gain
         probe = gate.backoff.pause > gate.backoff.first
         gate.record(gain)
-        if probe and gate.backoff.skip:
+        if probe and gate.backoff.skip and draft_s >= self._view.seconds_per_token:
             gate.backoff.hold(min(math.ceil((cost - 1.0 - accepted) / self.probe_share), 1 << 20))
 
     def state(self) -> dict:
