@@ -39,7 +39,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     lv = load_verifier("default")
-    ids = [encode_prompt(lv.tokenizer, t) for t in texts(args.prompts, args.limit)]
+    prompts = texts(args.prompts, args.limit)
+    ids = [encode_prompt(lv.tokenizer, t) for t in prompts]
     eos = eos_ids(lv.model, lv.tokenizer)
     engines = {d: Engine(Verifier(lv.model), load_drafter(d, lv.model, tokenizer=lv.tokenizer), budget="auto")
                for d in ("none", f"model:{args.draft_model}")}
@@ -60,7 +61,7 @@ def main() -> int:
     ratios = [a / b for a, b in zip(rates[draft], rates[plain])]
     result = {"tokens_per_s": rates, "ratios": ratios, "median_ratio": statistics.median(ratios),
               "identical": outputs[plain] == outputs[draft], "schedule": engines[draft].schedule.state(),
-              "prompts": texts, "max_new_tokens": args.max_new_tokens}
+              "prompts": prompts, "max_new_tokens": args.max_new_tokens}
     print(json.dumps({k: result[k] for k in ("tokens_per_s", "ratios", "median_ratio", "identical")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from heads.io import write_atomic
