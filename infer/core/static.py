@@ -146,6 +146,27 @@ def slot_cache(like: Sequence[torch.Tensor], rows: int, capacity: int, static_ad
     return SlotCache(layers)
 
 
+def grow_slots(old: SlotCache | None, attn, layers: int, rows: int, need: int, dtype, device,
+               static_address: bool) -> tuple[SlotCache, torch.Tensor] | None:
+    """Slots for a head's ``layers`` attention layers like ``attn`` (an HF attention module: its
+    key heads and head size) holding ``rows`` rows of ``need`` columns, grown from ``old`` (its
+    rows and columns copied; the capacity doubles, never shrinks), and their columns ``[C]``
+    (0..C-1, marked dynamic); None where ``old`` already holds them."""
+    if old is not None and old.shape[0] >= rows and old.shape[1] >= need:
+        return None
+    like = torch.empty(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim, dtype=dtype, device=device)
+    cap = capacity_for(max(need, old.shape[1] if old is not None else 0))
+    cache = slot_cache([like] * layers, max(rows, old.shape[0] if old is not None else 0), cap, static_address)
+    columns = torch.arange(cap, device=device)
+    torch._dynamo.maybe_mark_dynamic(columns, 0)
+    if old is not None:
+        with torch.inference_mode():
+            for a, b in zip(old.layers, cache.layers):
+                b.keys[: a.keys.shape[0], :, : a.keys.shape[2]].copy_(a.keys)
+                b.values[: a.values.shape[0], :, : a.values.shape[2]].copy_(a.values)
+    return cache, columns
+
+
 def step_inputs(ancestors: torch.Tensor, depths: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                 capacity: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A static pass's ``(mask [R, 1, N, C], positions [R, N], cols [R, N])``.

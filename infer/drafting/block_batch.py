@@ -30,7 +30,7 @@ import torch
 from heads.dflash import DFlashHead
 
 from ..core.drafter import Budget, Draft, Drafter, Request, RowStart, host_draft, root_only
-from ..core.static import ROW_BUCKETS, SlotCache, bucket, capacity_for, compile_step, slot_cache
+from ..core.static import ROW_BUCKETS, SlotCache, bucket, compile_step, grow_slots
 from ..core.tree import DynamicTreeSpec, build_tree
 from .block_drafter import BlockDrafter
 from .eagle_batch import causal_rows_mask
@@ -107,22 +107,10 @@ class BatchBlockDrafter(Drafter):
     def _fit(self, need: int) -> None:
         """Slots for every row (their bucket) with ``need`` columns each (grown by doubling)."""
         rows = bucket(max((r.slot for r in self.rows.values()), default=0) + 1, ROW_BUCKETS)
-        old = self.cache
-        if old is not None and old.shape[0] >= rows and old.shape[1] >= need:
-            return
-        attn = self.head.layers[0].self_attn
-        like = torch.empty(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim, dtype=self.dtype,
-                           device=self.device)
-        cap = capacity_for(max(need, old.shape[1] if old is not None else 0))
-        self.cache = slot_cache([like] * len(self.head.layers), max(rows, old.shape[0] if old is not None else 0), cap,
-                                self.device.type == "cuda" and self.compiled)
-        self.columns = torch.arange(cap, device=self.device)
-        torch._dynamo.maybe_mark_dynamic(self.columns, 0)
-        if old is not None:
-            with torch.inference_mode():
-                for a, b in zip(old.layers, self.cache.layers):
-                    b.keys[: a.keys.shape[0], :, : a.keys.shape[2]].copy_(a.keys)
-                    b.values[: a.values.shape[0], :, : a.values.shape[2]].copy_(a.values)
+        grown = grow_slots(self.cache, self.head.layers[0].self_attn, len(self.head.layers), rows, need, self.dtype,
+                           self.device, self.device.type == "cuda" and self.compiled)
+        if grown is not None:
+            self.cache, self.columns = grown
 
     def _catch_up(self) -> torch.Tensor:
         """Feed every row its pending features, all slots in one pass padded to the longest;

@@ -40,7 +40,7 @@ from heads.modules import DraftHead
 
 from ..core.drafter import Budget, Draft, Drafter, Request, RowStart, host_draft, root_only
 from ..core.errors import UserError
-from ..core.static import ROW_BUCKETS, SlotCache, bucket, capacity_for, compile_step, slot_cache
+from ..core.static import ROW_BUCKETS, SlotCache, bucket, compile_step, grow_slots
 from ..core.tree import DynamicTreeSpec, cost_table
 
 #: the head's output at ``k`` frontier nodes of every row: ``(hidden [R, k, h], tokens [R, k],
@@ -282,21 +282,11 @@ class BatchEagleDrafter(Drafter):
     def _fit(self, need: int) -> None:
         """Slots for every row (their bucket) with ``need`` columns each (grown by doubling)."""
         rows = bucket(max((r.slot for r in self.rows.values()), default=0) + 1, ROW_BUCKETS)
-        old = self.cache
-        if old is not None and old.shape[0] >= rows and old.shape[1] >= need:
-            return
         attn = self.head.midlayer.self_attn if self.eagle3 else self.head.layer.self_attn
-        like = torch.empty(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim, dtype=self.dtype, device=self.device)
-        cap = capacity_for(max(need, old.shape[1] if old is not None else 0))
-        self.cache = slot_cache([like], max(rows, old.shape[0] if old is not None else 0), cap,
-                                self.device.type == "cuda" and self.compiled)
-        self.columns = torch.arange(cap, device=self.device)
-        torch._dynamo.maybe_mark_dynamic(self.columns, 0)
-        if old is not None:
-            with torch.inference_mode():
-                for a, b in zip(old.layers, self.cache.layers):
-                    b.keys[: a.keys.shape[0], :, : a.keys.shape[2]].copy_(a.keys)
-                    b.values[: a.values.shape[0], :, : a.values.shape[2]].copy_(a.values)
+        grown = grow_slots(self.cache, attn, 1, rows, need, self.dtype, self.device,
+                           self.device.type == "cuda" and self.compiled)
+        if grown is not None:
+            self.cache, self.columns = grown
 
     def begin(self, rows) -> None:
         for r in rows:
