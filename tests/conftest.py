@@ -73,6 +73,18 @@ def llama():
     return tiny_random_model("llama", vocab_size=VOCAB, seed=1)
 
 
+#: operations that make the host wait for the device (Dynamo's graphs are checked for them)
+SYNCING = {"item", "_local_scalar_dense", "nonzero", "tolist", "numpy", "masked_select", "unique",
+           "repeat_interleave", "equal", "is_nonzero"}
+
+
+def host_syncs(graphs) -> list[str]:
+    """The nodes of Dynamo's ``graphs`` (``GraphModule`` s) that would make the host wait."""
+    return [node.format_node() for gm in graphs for node in gm.graph.nodes
+            if node.op in ("call_function", "call_method")
+            and str(getattr(node.target, "__name__", node.target)).split(".")[0] in SYNCING]
+
+
 def hf_greedy(model, ids: torch.Tensor, n: int, eos=None) -> list[int]:
     """The reference: HF generate, greedy."""
     out = model.generate(

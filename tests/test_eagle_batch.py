@@ -10,6 +10,7 @@ recompile and no graph holds a host-synchronising operation.
 import pytest
 import torch
 
+from conftest import host_syncs
 from heads import HeadConfig, VerifierSpec, build_head
 from heads.config import default_aux_layers
 from infer import generate
@@ -183,9 +184,5 @@ def test_the_compiled_loop_never_recompiles_and_holds_no_host_wait(model):
                 out.setdefault(c.index, []).extend(c.token_ids)
     assert [out[i] for i in range(4)] == refs
     assert len(graphs) == 6 and not counters["graph_break"]
-    syncing = {"item", "_local_scalar_dense", "nonzero", "tolist", "numpy", "masked_select", "unique",
-               "repeat_interleave", "equal", "is_nonzero"}
-    found = [node.format_node() for gm in graphs for node in gm.graph.nodes
-             if node.op in ("call_function", "call_method")
-             and str(getattr(node.target, "__name__", node.target)).split(".")[0] in syncing]
+    found = host_syncs(graphs)
     assert not found, found

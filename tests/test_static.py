@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from conftest import VOCAB, hf_greedy
+from conftest import VOCAB, hf_greedy, host_syncs
 from infer import generate
 from infer.core.engine import Engine, queue
 from infer.core.errors import UserError
@@ -249,11 +249,7 @@ def test_no_compiled_graph_holds_an_operation_that_makes_the_host_wait(traced):
     Dynamo hands the compiler are read: no ``item``/``nonzero``/``tolist``-like operation, and no
     graph break (a break is where Dynamo hands a host read back to Python)."""
     _, _, graphs = traced
-    syncing = {"item", "_local_scalar_dense", "nonzero", "tolist", "numpy", "masked_select", "unique",
-               "repeat_interleave", "equal", "is_nonzero"}
-    found = [node.format_node() for gm in graphs for node in gm.graph.nodes
-             if node.op in ("call_function", "call_method")
-             and str(getattr(node.target, "__name__", node.target)).split(".")[0] in syncing]
+    found = host_syncs(graphs)
     assert len(graphs) >= 4 and not found, found
     assert not torch._dynamo.utils.counters["graph_break"]
 
