@@ -31,8 +31,8 @@ from heads.dflash import DFlashHead
 
 from ..core.drafter import Budget, Draft, Drafter, Request, RowStart, host_draft, root_only
 from ..core.static import ROW_BUCKETS, SlotCache, bucket, compile_step, grow_slots
-from ..core.tree import DynamicTreeSpec, build_tree
-from .block_drafter import BlockDrafter
+from ..core.tree import DynamicTreeSpec
+from .block_drafter import BlockDrafter, hold_block_tables
 from .eagle_batch import causal_rows_mask
 
 
@@ -60,20 +60,8 @@ class BatchBlockDrafter(Drafter):
 
     def __init__(self, head: DFlashHead, verifier_model, tree: DynamicTreeSpec | None = None, *,
                  dtype: torch.dtype | None = None, compile=False):
-        emb = verifier_model.get_input_embeddings()
-        self.device, self.dtype = emb.weight.device, dtype or emb.weight.dtype
-        self.head = head.to(device=self.device, dtype=self.dtype).eval()
-        self.block_size = head.config.block_size
-        self.feature_layers = head.config.feature_layers
-        self.tree = tree or DynamicTreeSpec(depth=self.block_size - 1, top_k=1, num_nodes=self.block_size)
+        hold_block_tables(self, head, verifier_model, tree, dtype)
         self.depth = min(self.block_size - 1, self.tree.depth)
-        self.embed = emb
-        with torch.inference_mode():
-            self.lm_rows = head.lm_rows(verifier_model.get_output_embeddings()).to(self.dtype)  # [Vd, h]
-            self.vocab = head.target_ids(torch.arange(head.config.draft_vocab_size, device=self.device))  # [Vd]
-            mask = torch.full((self.block_size - 1,), head.config.mask_token_id, dtype=torch.long, device=self.device)
-            self.mask_embeds = emb(mask).to(self.dtype)  # [bs - 1, h]
-        self._chains = {d: build_tree(list(range(-1, d)), device=self.device) for d in range(1, self.block_size)}
         self.rows: dict[int, _Slot] = {}
         self.cache: SlotCache | None = None
         self.columns: torch.Tensor | None = None  # [C]: 0..C-1, the slots' columns

@@ -27,6 +27,28 @@ from ..core.tree import DynamicTreeSpec, build_tree
 from ..core.verifier import ReservedCache, crop_cache
 
 
+def hold_block_tables(d, head: DFlashHead, verifier_model, tree: DynamicTreeSpec | None, dtype) -> None:
+    """Give drafter ``d`` what every block drafter holds: its device and ``dtype`` (default: the
+    verifier's), the head there, its block size, feature layers and ``tree`` (default: the
+    longest chain), the verifier's embeddings, the LM-head rows of the draft vocabulary
+    ``lm_rows [Vd, h]`` and their verifier ids ``vocab [Vd]``, the mask token's embeddings
+    ``mask_embeds [bs - 1, h]`` and every chain it can propose (``_chains``: depth -> tree), copied
+    to the device once here, not during a step."""
+    emb = verifier_model.get_input_embeddings()
+    d.device, d.dtype = emb.weight.device, dtype or emb.weight.dtype
+    d.head = head.to(device=d.device, dtype=d.dtype).eval()
+    d.block_size = head.config.block_size
+    d.feature_layers = head.config.feature_layers
+    d.tree = tree or DynamicTreeSpec(depth=d.block_size - 1, top_k=1, num_nodes=d.block_size)
+    d.embed = emb
+    with torch.inference_mode():
+        d.lm_rows = head.lm_rows(verifier_model.get_output_embeddings()).to(d.dtype)
+        d.vocab = head.target_ids(torch.arange(head.config.draft_vocab_size, device=d.device))
+        mask = torch.full((d.block_size - 1,), head.config.mask_token_id, dtype=torch.long, device=d.device)
+        d.mask_embeds = emb(mask).to(d.dtype)
+    d._chains = {n: build_tree(list(range(-1, n)), device=d.device) for n in range(1, d.block_size)}
+
+
 class BlockDrafter(RowDrafter):
     """Drafts with a :class:`~heads.dflash.DFlashHead` (see the module docstring).
 
@@ -35,21 +57,7 @@ class BlockDrafter(RowDrafter):
 
     def __init__(self, head: DFlashHead, verifier_model, tree: DynamicTreeSpec | None = None, *,
                  dtype: torch.dtype | None = None):
-        emb = verifier_model.get_input_embeddings()
-        self.device = emb.weight.device
-        self.dtype = dtype or emb.weight.dtype
-        self.head = head.to(device=self.device, dtype=self.dtype).eval()
-        self.block_size = head.config.block_size
-        self.feature_layers = head.config.feature_layers
-        self.tree = tree or DynamicTreeSpec(depth=self.block_size - 1, top_k=1, num_nodes=self.block_size)
-        self.embed = emb
-        with torch.inference_mode():
-            self.lm_rows = head.lm_rows(verifier_model.get_output_embeddings()).to(self.dtype)  # [Vd, h]
-            self.vocab = head.target_ids(torch.arange(head.config.draft_vocab_size, device=self.device))  # [Vd]
-            mask = torch.full((self.block_size - 1,), head.config.mask_token_id, dtype=torch.long, device=self.device)
-            self.mask_embeds = emb(mask).to(self.dtype)  # [bs - 1, h]
-        # every chain the drafter can propose, copied to the device once here, not during a step
-        self._chains = {d: build_tree(list(range(-1, d)), device=self.device) for d in range(1, self.block_size)}
+        hold_block_tables(self, head, verifier_model, tree, dtype)
         self.cache = ReservedCache()
         self.length = 0
         self._pending: list[torch.Tensor] = []
