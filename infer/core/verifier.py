@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .attention import use_grouped_attention
 from .batch import TreeBatch
 from .errors import UserError
 from .kernels import kernel_context, linear_kernel
@@ -263,6 +264,7 @@ class Verifier:
 
     def __init__(self, model, feature_layers: Sequence[int] = (), *, linear: str = "auto"):
         self.model = model.eval()
+        use_grouped_attention(model)  # shared key/value heads read in place, not copied per pass
         self.kernel = linear_kernel(model, linear)
         self.config = model.config
         self.feature_layers = tuple(feature_layers)
