@@ -78,23 +78,27 @@ def test_a_model_on_another_attention_keeps_it():
     assert model.config._attn_implementation == "eager"
 
 
-def test_a_traced_verify_pass_reads_the_shared_heads_in_place(llama):
-    """The static step as Dynamo traces it (as the compiled path does): every attention is SDPA
-    with ``enable_gqa``, and no key/value head is copied (transformers' ``repeat_kv``, an expand
-    then a reshape of a 5-D view, is what it does without the switch)."""
+def test_a_traced_verify_pass_reads_the_shared_heads_in_place():
+    """The static step as Dynamo traces it for the compiled path (a step of its own: a new code
+    object, so that no graph another test cached answers for it), one node and three: no
+    key/value head is copied (transformers' ``repeat_kv`` is an expand of a 5-D view, what it runs
+    without the switch), and a tree's attention is SDPA with ``enable_gqa``."""
+    model = tiny_random_model("llama", vocab_size=VOCAB, seed=1)
     graphs = []
 
-    def backend(gm, example_inputs):
+    def keep(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    v = StaticVerifier(llama, compile=backend)
+    v = StaticVerifier(model)
+    v._step = torch.compile(lambda *a: v._eager_step(*a), backend=keep)
     prefill_one(v, torch.arange(1, 9))
+    verify_one(v, torch.tensor([3]), build_tree([-1]))
     verify_one(v, torch.tensor([3, 4, 5]), build_tree([-1, 0, 0]))
-    calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-    sdpa = [n for n in calls if "scaled_dot_product_attention" in str(n.target)]
-    assert len(sdpa) == llama.config.num_hidden_layers
-    assert all(n.kwargs.get("enable_gqa") is True for n in sdpa)
-    expands = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_method" and n.target == "expand"
-               and len(n.args) == 6]  # repeat_kv's [B, Hkv, groups, C, D] expand
-    assert not expands
+    assert len(graphs) == 2
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    expands = [n for n in nodes if n.op == "call_method" and n.target == "expand" and len(n.args) == 6]
+    assert not expands, [n.format_node() for n in expands]
+    tree_sdpa = [n for n in graphs[1].graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert len(tree_sdpa) == model.config.num_hidden_layers
+    assert all(n.kwargs.get("enable_gqa") is True for n in tree_sdpa)

@@ -324,3 +324,44 @@ def test_the_inductor_step_multiplies_by_prepacked_weights_not_stock_mm():
     names = {e.key for e in prof.key_averages()}
     assert "aten::mm" not in names and "aten::addmm" not in names, sorted(names)
     assert any("linear" in n for n in names), sorted(names)
+
+
+class _Held:
+    """A step that reads its module off ``self``, as the verifier's step reads its model: every
+    instance shares one code object, so Dynamo's cache holds their graphs side by side."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def step(self, x):
+        return self.layers(x)
+
+
+def test_a_model_of_the_same_shapes_gets_a_compiled_graph_of_its_own():
+    """The compiled step skips Dynamo's guards on the modules' hooks and attributes, and keeps
+    those on the weights: frozen into the graph, another model's weights (same shapes, same code)
+    must not run through the first model's graph."""
+    from infer.core.static import compile_step
+
+    x = torch.randn(1, 3, 32)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        layers = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 32, bias=False)).eval()
+        compiled = compile_step(_Held(layers).step, torch.device("cpu"))
+        with torch.inference_mode():
+            assert torch.allclose(compiled(x), layers(x), atol=1e-5), seed
+
+
+def test_the_guards_skipped_are_the_modules_hooks_attributes_and_types():
+    from types import SimpleNamespace
+
+    from infer.core.static import module_guards_kept
+
+    def entry(kind, in_module):
+        source = SimpleNamespace(is_unspecialized_nn_module=lambda: in_module)
+        return SimpleNamespace(guard_type=kind, orig_guard=SimpleNamespace(source=source))
+
+    entries = [entry("EMPTY_NN_MODULE_HOOKS_DICT", True), entry("CONSTANT_MATCH", True), entry("TYPE_MATCH", True),
+               entry("TENSOR_MATCH", True), entry("ID_MATCH", True), entry("CONSTANT_MATCH", False),
+               entry("TENSOR_MATCH", False)]
+    assert module_guards_kept(entries) == [False, False, False, True, True, True, True]

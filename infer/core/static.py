@@ -376,6 +376,20 @@ class StepInputs:
         return self.tokens, self.ancestors, self.depths, self.starts, self.ends
 
 
+#: the guards on a model's modules that Dynamo still checks before a compiled step: its weights
+#: (a model of the same shapes is a different graph: the weights are frozen into it) and the
+#: identity of its classes
+KEPT_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "ID_MATCH", "CLASS_MATCH", "DUPLICATE_INPUT"})
+
+
+def module_guards_kept(entries) -> list[bool]:
+    """Dynamo's ``guard_filter_fn``: every guard except those on a model module's hooks, plain
+    attributes and types (hundreds for a 30-layer model, none of which a verifier changes), keeping
+    :data:`KEPT_MODULE_GUARDS`."""
+    return [e.guard_type in KEPT_MODULE_GUARDS or not e.orig_guard.source.is_unspecialized_nn_module()
+            for e in entries]
+
+
 def compile_step(step: Callable, device: torch.device, backend: str = "inductor") -> Callable:
     """``step`` compiled; the sizes that vary (rows and nodes above 1, the capacity) are marked
     dynamic on the buffers themselves (:class:`StepInputs`, :func:`slot_cache`), so that the
@@ -385,9 +399,14 @@ def compile_step(step: Callable, device: torch.device, backend: str = "inductor"
     dynamic one): the step runs under ``inference_mode`` and Inductor's global ``freezing``
     setting, which Dynamo reads when it traces (a per-call patch, about 25 us);
     on CUDA it captures CUDA graphs (``mode="reduce-overhead"``) and the outputs (any tensors it
-    returns) are cloned, as a replay reuses them."""
+    returns) are cloned, as a replay reuses them. On a CPU Dynamo skips the guards on the model's
+    modules' hooks, attributes and types before a call (:func:`module_guards_kept`; a verifier
+    holds its model unchanged), and keeps those on its weights: another model of the same shapes
+    must compile a graph of its own. (``torch.compile`` takes a mode or options, not both, so
+    CUDA checks them all.)"""
     if backend != "inductor":
         return torch.compile(step, backend=backend)
+    unguarded = {"guard_filter_fn": module_guards_kept}
     if device.type == "cuda":
         compiled = torch.compile(step, mode="reduce-overhead")
 
@@ -395,7 +414,7 @@ def compile_step(step: Callable, device: torch.device, backend: str = "inductor"
             return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, compiled(*args))
 
         return run
-    compiled = torch.compile(step, options={"freezing": True})
+    compiled = torch.compile(step, options={"freezing": True, **unguarded})
 
     def frozen(*args):  # Dynamo reads Inductor's global `freezing` when it traces (the option alone leaves the
         with torch._inductor.config.patch(freezing=True):  # weights graph inputs, every linear a stock mm)
