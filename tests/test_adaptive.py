@@ -272,6 +272,9 @@ def test_a_drafters_fixed_cost_is_priced_once_per_draft_not_per_node():
     for _ in range(3):
         alike.observe(1, 0.021)
     assert alike.seconds == DraftSeconds(0.0, 0.021)
+    assert alike.seconds is alike.seconds  # fitted once between two observations
+    alike.observe(9, 0.029)
+    assert alike.seconds.per_node == pytest.approx(0.001)  # and again after one
 
 
 class PaysForNothing(RowDrafter):

@@ -7,13 +7,12 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from conftest import VOCAB, hf_greedy, prefill_one, verify_one
 from infer.core.attention import NAME, grouped_sdpa, use_grouped_attention
 from infer.core.models import tiny_random_model
 from infer.core.static import StaticVerifier
 from infer.core.tree import build_tree
 from infer.core.verifier import Verifier
-
-from conftest import VOCAB, hf_greedy, prefill_one, verify_one
 
 
 class _Heads(torch.nn.Module):

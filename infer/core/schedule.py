@@ -525,19 +525,24 @@ class DraftCost:
     def __init__(self, *, window: int = 15, min_samples: int = 2):
         self.window, self.min_samples = window, min_samples
         self._samples: deque = deque(maxlen=window)
+        self._fit: DraftSeconds | None = None  # of the samples as they are; None: fit again
 
     def observe(self, nodes: int, seconds: float) -> None:
         """A proposal drafted ``nodes`` nodes beyond its roots in ``seconds`` (none: its fixed
         cost counted as one node's)."""
         if seconds > 0:
             self._samples.append((max(nodes, 1), seconds))
+            self._fit = None
 
     @property
     def seconds(self) -> DraftSeconds | None:
-        """The fitted cost (see the class docstring), or None before ``min_samples`` steps."""
+        """The fitted cost (see the class docstring), or None before ``min_samples`` steps; fitted
+        once per observation (the engine prices several drafts between two)."""
         if len(self._samples) < self.min_samples:
             return None
-        return fit_draft_seconds(list(self._samples))
+        if self._fit is None:
+            self._fit = fit_draft_seconds(list(self._samples))
+        return self._fit
 
     @property
     def seconds_per_node(self) -> float | None:

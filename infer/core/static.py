@@ -386,8 +386,15 @@ def module_guards_kept(entries) -> list[bool]:
     """Dynamo's ``guard_filter_fn``: every guard except those on a model module's hooks, plain
     attributes and types (hundreds for a 30-layer model, none of which a verifier changes), keeping
     :data:`KEPT_MODULE_GUARDS`."""
-    return [e.guard_type in KEPT_MODULE_GUARDS or not e.orig_guard.source.is_unspecialized_nn_module()
-            for e in entries]
+    return [e.guard_type in KEPT_MODULE_GUARDS or not _on_a_module(e) for e in entries]
+
+
+def _on_a_module(entry) -> bool:
+    """Whether a guard entry checks something reached through a model's modules (False where this
+    PyTorch's entries do not say: the guard is then kept)."""
+    source = getattr(getattr(entry, "orig_guard", None), "source", None)
+    check = getattr(source, "is_unspecialized_nn_module", None)
+    return bool(check()) if callable(check) else False
 
 
 def compile_step(step: Callable, device: torch.device, backend: str = "inductor") -> Callable:
