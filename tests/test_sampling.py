@@ -247,7 +247,7 @@ def test_a_budget_chosen_from_drawn_tokens_is_caught():
 @pytest.mark.early
 def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model):
     """The EAGLE drafter's real path (tree growth, calibration, the cost budget, the pause when
-    drafting does not pay) on a tiny model, 12,000 three-token samples, against the exact joint."""
+    drafting does not pay) on a tiny model, 8,000 three-token samples, against the exact joint."""
     from heads import HeadConfig, VerifierSpec, build_head
     from infer.core.schedule import VerifyCost
     from infer.drafting.head_drafters import EagleDrafter
@@ -264,7 +264,7 @@ def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model)
         res = generate(m, drafter, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed, budget=curve)
         return res.token_ids, [n for n, k in enumerate(res.stats.nodes_hist) if k]
 
-    samples = forked_map(draw, range(12_000))
+    samples = forked_map(draw, range(8_000))
     sizes = {n for _, ns in samples for n in ns}
     assert len(sizes) > 1  # the budget varied from step to step
     assert chi_square_pvalue(tally(ids for ids, _ in samples), probs) > 1e-3
@@ -272,7 +272,7 @@ def test_eagle_drafter_sampling_with_the_cost_budget_is_exact(small_vocab_model)
 
 # --- depth 3: the union of a head and prompt lookup, pruning, the gate, an observed cost curve --
 
-N_DEEP = 6_000
+N_DEEP = 4_500
 
 
 def exact_joint_n(model, n: int, temperature: float = 1.0) -> torch.Tensor:
@@ -294,7 +294,7 @@ def test_union_drafter_sampling_at_depth_3_is_exact(small_vocab_model, monkeypat
     """``auto``'s union (an EAGLE-3 head and prompt lookup) with depth-3 dynamic trees, pruning,
     the gate and an :class:`~infer.core.schedule.OnlineCost` that the engine feeds every verify step (its
     clock replaced by a fixed function of the node count, so that the machine's load cannot
-    change which trees are drafted), 8,000 five-token samples against the exact joint of five
+    change which trees are drafted), 4,500 five-token samples against the exact joint of five
     tokens: the second step may verify three drafted levels. One long-lived engine per process
     (its schedule learns the drafter's cost, as an application's does). A row's gate starts at an
     average gain of 1.0 instead of 1.2, so that one losing step pauses the head: in five tokens
