@@ -413,7 +413,6 @@ def compile_step(step: Callable, device: torch.device, backend: str = "inductor"
     CUDA checks them all.)"""
     if backend != "inductor":
         return torch.compile(step, backend=backend)
-    unguarded = {"guard_filter_fn": module_guards_kept}
     if device.type == "cuda":
         compiled = torch.compile(step, mode="reduce-overhead")
 
@@ -421,7 +420,7 @@ def compile_step(step: Callable, device: torch.device, backend: str = "inductor"
             return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, compiled(*args))
 
         return run
-    compiled = torch.compile(step, options={"freezing": True, **unguarded})
+    compiled = torch.compile(step, options={"freezing": True, "guard_filter_fn": module_guards_kept})
 
     def frozen(*args):  # Dynamo reads Inductor's global `freezing` when it traces (the option alone leaves the
         with torch._inductor.config.patch(freezing=True):  # weights graph inputs, every linear a stock mm)
